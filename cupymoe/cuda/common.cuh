@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared device helpers: 16-bit activation types and the exact decoders of the FP4 family.
+// The loader inlines this file into every .cu that includes it (CuPy hashes the source text).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace cm {
+
+// ---- 16-bit activations <-> fp32 ------------------------------------------------------------
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+// ---- E2M1: 1 sign, 2 exponent bits (bias 1), 1 mantissa bit; |v| in {0, .5, 1, 1.5, 2, 3, 4, 6}
+__device__ __forceinline__ float decode_e2m1(uint32_t code) {
+    // Magnitude table in registers: codes 0..7 -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+    const uint32_t mag = code & 7u;
+    const float exp_part = (mag >= 2u) ? __int_as_float((126 + (int)(mag >> 1)) << 23) : 0.5f;
+    const float v = (mag >= 2u) ? exp_part * (1.0f + 0.5f * (float)(mag & 1u)) : exp_part * (float)mag;
+    return (code & 8u) ? -v : v;
+}
+
+// ---- E4M3FN: bias 7, subnormals m * 2^-9, max 448, NaN at 0x7F / 0xFF, no infinity ----------
+__device__ __forceinline__ float decode_e4m3(uint32_t byte) {
+    const uint32_t exponent = (byte >> 3) & 0xFu;
+    const uint32_t mantissa = byte & 7u;
+    float v;
+    if ((byte & 0x7Fu) == 0x7Fu) {
+        v = __int_as_float(0x7FC00000);
+    } else if (exponent == 0u) {
+        v = (float)mantissa * 0.001953125f;  // m * 2^-9, exact
+    } else {
+        // Re-bias the exponent (7 -> 127) and widen the mantissa (3 -> 23 bits): exact.
+        v = __int_as_float((int)(((exponent + 120u) << 23) | (mantissa << 20)));
+    }
+    return (byte & 0x80u) ? -v : v;
+}
+
+// ---- E8M0: unsigned exponent, bias 127, 0xFF = NaN, no zero ----------------------------------
+__device__ __forceinline__ float decode_e8m0(uint32_t byte) {
+    if (byte == 0xFFu) return __int_as_float(0x7FC00000);
+    if (byte == 0u) return __int_as_float(0x00400000);  // 2^-127: the fp32 subnormal
+    return __int_as_float((int)(byte << 23));
+}
+
+// Block-scale decode by format: kFormat 0 = NVFP4 (E4M3, block 16), 1 = MXFP4 (E8M0, block 32).
+template <int kFormat> __device__ __forceinline__ float decode_scale(uint32_t byte) {
+    if constexpr (kFormat == 0) {
+        return decode_e4m3(byte);
+    } else {
+        return decode_e8m0(byte);
+    }
+}
+template <int kFormat> struct FormatTraits;
+template <> struct FormatTraits<0> { static constexpr int kBlock = 16; };
+template <> struct FormatTraits<1> { static constexpr int kBlock = 32; };
+
+}  // namespace cm
