@@ -5,7 +5,15 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <stdint.h>
+// NVRTC ships no C library headers: spell the fixed-width types out (they match every CUDA ABI).
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
 
 namespace cm {
 
