@@ -1,0 +1,254 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The expert GEMMs above the GEMV row window: dequantize the active experts, then cuBLAS.
+
+``fc1_batched(x)[r] = act(x[t] W_gate[e]^T + b_gate[e], x[t] W_up[e]^T + b_up[e])`` and
+``fc2_batched(h)[r] = h[r] W_down[e]^T + b_down[e]`` for every expanded row ``r`` of expert ``e``
+(``expert_offsets[e] <= r < expert_offsets[e + 1]``), ``t = sorted_rows[r] // top_k``.
+
+This path is **not capturable** in a CUDA graph: it reads ``routing.expert_offsets`` back to the
+host (one synchronisation) to find the active experts and their row slices, and it allocates its
+workspaces per call. :func:`cupymoe.gemv.fc1` / :func:`cupymoe.gemv.fc2` switch to it only above
+the row window (64 expanded rows), where a prefill-sized batch amortises both.
+
+Numerics: weights are dequantized exactly to float32 (global scale included, one fp32 rounding),
+activations are widened to float32 (exact), and each expert's product is one float32
+``cupy.matmul`` (cuBLAS SGEMM, fp32 accumulation). 16-bit ``matmul`` would leave the compute
+type to CuPy's per-dtype defaults (and bf16 support to the CuPy version), so correctness comes
+first here. Do not set ``CUPY_TF32=1`` when accuracy matters: it lets cuBLAS round the inputs to
+TF32. Biases and the activation are applied in float32, then one RNE rounding to the dtype of
+``x`` / ``h``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import ml_dtypes
+import numpy as np
+
+from ._backend import is_cupy_array, require_cupy
+from .dequant import DeviceFp4, dequantize
+
+if TYPE_CHECKING:  # gemv imports this module: no runtime import back
+    from .gemv import ActivationSpec
+    from .routing import Routing
+
+__all__ = ["WORKSPACE_BYTES", "apply_activation", "fc1_batched", "fc2_batched"]
+
+#: Bytes of float32 dequantized weights held at once (the experts are decoded in chunks of this
+#: size, so a DeepSeek-V3 layer of 256 x 2048 x 7168 never needs 15 GB at once).
+WORKSPACE_BYTES = 512 << 20
+
+_ACT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def _check_rows_input(a: Any, name: str, rows: int | None, width: int) -> None:
+    """A 2-D bf16/fp16 CuPy array ``[rows, width]`` (``rows=None``: any row count)."""
+    if not is_cupy_array(a):
+        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
+    if a.dtype not in _ACT_DTYPES:
+        raise TypeError(f"{name}: expected dtype bfloat16 or float16, got {a.dtype}")
+    if a.ndim != 2 or a.shape[1] != width or (rows is not None and a.shape[0] != rows):
+        expected = ("n_tokens" if rows is None else rows, width)
+        raise ValueError(f"{name}: expected shape {expected}, got {a.shape}")
+
+
+def _check_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
+    if bias is None:
+        return None
+    cupy = require_cupy()
+    if not is_cupy_array(bias) and not isinstance(bias, np.ndarray):
+        raise TypeError(f"{name}: expected a float32 array, got {type(bias).__name__}")
+    if bias.shape != (n_experts, n):
+        raise ValueError(f"{name}: expected shape {(n_experts, n)}, got {bias.shape}")
+    return cupy.asarray(bias, dtype=cupy.float32)
+
+
+def _check_out(out: Any, rows: int, n: int, dtype: np.dtype) -> Any:
+    cupy = require_cupy()
+    if out is None:
+        return cupy.empty((rows, n), dtype=dtype)
+    if not is_cupy_array(out):
+        raise TypeError(f"out: expected a cupy.ndarray, got {type(out).__name__}")
+    if out.shape != (rows, n) or out.dtype != dtype:
+        raise ValueError(f"out: expected {dtype.name} {(rows, n)}, got {out.dtype} {out.shape}")
+    return out
+
+
+def _routing_arrays(routing: Any, n_experts: int) -> tuple[int, Any, np.ndarray]:
+    """``(top_k, sorted_rows, host expert_offsets)``; the one host synchronisation."""
+    top_k = int(routing.topk_ids.shape[1])
+    offsets = routing.expert_offsets
+    if offsets.shape != (n_experts + 1,):
+        raise ValueError(
+            f"routing.expert_offsets: expected shape {(n_experts + 1,)} for {n_experts} experts, "
+            f"got {offsets.shape}"
+        )
+    host = offsets.get() if is_cupy_array(offsets) else np.asarray(offsets)
+    rows = int(routing.sorted_rows.shape[0])
+    if host[0] != 0 or host[-1] != rows or np.any(np.diff(host) < 0):
+        raise ValueError(
+            f"routing.expert_offsets: expected non-decreasing offsets from 0 to {rows}, "
+            f"got {host[0]} .. {host[-1]}"
+        )
+    return top_k, require_cupy().asarray(routing.sorted_rows), host.astype(np.int64)
+
+
+def _expert_chunks(offsets: np.ndarray, weights: tuple[DeviceFp4, ...]) -> list[np.ndarray]:
+    """The active experts (those with rows), split into chunks that fit ``WORKSPACE_BYTES``."""
+    active = np.flatnonzero(np.diff(offsets) > 0)
+    per_expert = sum(w.n * w.k * 4 for w in weights)
+    size = max(1, WORKSPACE_BYTES // max(per_expert, 1))
+    return [active[i : i + size] for i in range(0, active.size, size)]
+
+
+def _grouped_matmul(
+    a: Any, weights: tuple[DeviceFp4, ...], biases: tuple[Any, ...], offsets: np.ndarray
+) -> list[Any]:
+    """Per weight set j: float32 [R, N_j]; rows of expert e get ``a W_j[e]^T + b_j[e]``."""
+    cupy = require_cupy()
+    results = [cupy.empty((a.shape[0], w.n), dtype=cupy.float32) for w in weights]
+    for chunk in _expert_chunks(offsets, weights):
+        dense = [dequantize(w, experts=chunk, out_dtype=np.float32) for w in weights]
+        for slot, e in enumerate(chunk):
+            lo, hi = int(offsets[e]), int(offsets[e + 1])
+            for j, (w_dense, bias) in enumerate(zip(dense, biases, strict=True)):
+                y = cupy.matmul(a[lo:hi], w_dense[slot].T)
+                if bias is not None:
+                    y += bias[e]
+                results[j][lo:hi] = y
+    return results
+
+
+def apply_activation(gate: Any, up: Any, act: ActivationSpec) -> Any:
+    """``act(gate, up)`` in float32 CuPy array ops (the formulas of ``gemv.activation_ref``).
+
+    ``swiglu``: ``silu(gate) * up``; ``geglu``: ``gelu_erf(gate) * up``; ``swiglu_oai``:
+    ``g * sigmoid(alpha * g) * (u + 1)``, ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``.
+    """
+    cupy = require_cupy()
+    kind = getattr(act.kind, "value", act.kind)
+    if kind == "swiglu":
+        return gate / (1.0 + cupy.exp(-gate)) * up
+    if kind == "geglu":
+        from cupyx.scipy.special import erf
+
+        half = np.float32(0.5)
+        return half * gate * (1.0 + erf(gate * np.float32(1.0 / math.sqrt(2.0)))) * up
+    if kind == "swiglu_oai":
+        alpha, limit = np.float32(act.alpha), np.float32(act.limit)
+        g = cupy.minimum(gate, limit)
+        u = cupy.clip(up, -limit, limit)
+        return g / (1.0 + cupy.exp(-alpha * g)) * (u + 1.0)
+    raise ValueError(f"act: expected swiglu, geglu or swiglu_oai, got {kind!r}")
+
+
+def fc1_batched(
+    x: Any,
+    gate: DeviceFp4,
+    up: DeviceFp4,
+    routing: Routing,
+    *,
+    act: ActivationSpec,
+    gate_bias: Any = None,
+    up_bias: Any = None,
+    out: Any = None,
+) -> Any:
+    """FC1 with the gated activation for every expanded row, via dequantize + cuBLAS.
+
+    Parameters
+    ----------
+    x : cupy.ndarray
+        ``[n_tokens, hidden]`` bf16 or fp16, token order (row ``r`` reads token
+        ``sorted_rows[r] // top_k``).
+    gate, up : DeviceFp4
+        ``[n_experts, intermediate, hidden]`` each, with their own global scales.
+    routing : Routing
+        CuPy (or NumPy) routing arrays; ``expert_offsets`` is read back to the host.
+    act : ActivationSpec
+        The gated activation.
+    gate_bias, up_bias : array, optional
+        float32 ``[n_experts, intermediate]``.
+    out : cupy.ndarray, optional
+        ``[n_tokens * top_k, intermediate]`` of ``x.dtype``.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``h [n_tokens * top_k, intermediate]`` in expanded order, dtype of ``x``.
+
+    Notes
+    -----
+    Not capturable (one host synchronisation, per-call workspaces); float32 SGEMM, fp32 bias and
+    activation, one rounding to ``x.dtype``.
+    """
+    cupy = require_cupy()
+    for name, w in (("gate", gate), ("up", up)):
+        if not isinstance(w, DeviceFp4):
+            raise TypeError(f"{name}: expected a DeviceFp4, got {type(w).__name__}")
+    if (up.n_experts, up.n, up.k) != (gate.n_experts, gate.n, gate.k):
+        raise ValueError(
+            f"up: expected the shape of gate {(gate.n_experts, gate.n, gate.k)}, "
+            f"got {(up.n_experts, up.n, up.k)}"
+        )
+    n_experts, inter, hidden = gate.n_experts, gate.n, gate.k
+    _check_rows_input(x, "x", None, hidden)
+    top_k, sorted_rows, offsets = _routing_arrays(routing, n_experts)
+    if routing.topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"routing: expected {x.shape[0]} tokens (x.shape[0]), got {routing.topk_ids.shape[0]}"
+        )
+    gate_bias = _check_bias(gate_bias, "gate_bias", n_experts, inter)
+    up_bias = _check_bias(up_bias, "up_bias", n_experts, inter)
+    rows = int(sorted_rows.shape[0])
+    out = _check_out(out, rows, inter, x.dtype)
+    if rows == 0:
+        return out
+    x_sorted = x[sorted_rows // top_k].astype(cupy.float32)
+    g, u = _grouped_matmul(x_sorted, (gate, up), (gate_bias, up_bias), offsets)
+    out[...] = apply_activation(g, u, act).astype(x.dtype)
+    return out
+
+
+def fc2_batched(
+    h: Any, down: DeviceFp4, routing: Routing, *, bias: Any = None, out: Any = None
+) -> Any:
+    """FC2 for every expanded row, via dequantize + cuBLAS.
+
+    Parameters
+    ----------
+    h : cupy.ndarray
+        ``[n_tokens * top_k, intermediate]`` bf16 or fp16, expanded order.
+    down : DeviceFp4
+        ``[n_experts, hidden, intermediate]``.
+    routing : Routing
+        CuPy (or NumPy) routing arrays; ``expert_offsets`` is read back to the host.
+    bias : array, optional
+        float32 ``[n_experts, hidden]``.
+    out : cupy.ndarray, optional
+        ``[n_tokens * top_k, hidden]`` of ``h.dtype``.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``.
+
+    Notes
+    -----
+    Not capturable (one host synchronisation, per-call workspaces); float32 SGEMM and bias, one
+    rounding to ``h.dtype``.
+    """
+    cupy = require_cupy()
+    if not isinstance(down, DeviceFp4):
+        raise TypeError(f"down: expected a DeviceFp4, got {type(down).__name__}")
+    _, sorted_rows, offsets = _routing_arrays(routing, down.n_experts)  # h: expanded order
+    rows = int(sorted_rows.shape[0])
+    _check_rows_input(h, "h", rows, down.k)
+    bias = _check_bias(bias, "bias", down.n_experts, down.n)
+    out = _check_out(out, rows, down.n, h.dtype)
+    if rows == 0:
+        return out
+    (y,) = _grouped_matmul(h.astype(cupy.float32), (down,), (bias,), offsets)
+    out[...] = y.astype(h.dtype)
+    return out
