@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""cupymoe: 4-bit (NVFP4 / MXFP4) Mixture-of-Experts layers on NVIDIA GPUs from plain Python.
+
+One MoE layer is routing -> expert maps -> FC1 GEMV with the gated activation fused -> FC2 GEMV
+-> finalize. Every GPU stage has a float64 NumPy reference beside it (``route`` / ``route_ref``).
+
+Dimension vocabulary, used in every docstring and error message:
+
+``n_tokens`` (M)       tokens in the batch
+``n_experts`` (E)      experts of the layer
+``top_k`` (k)          experts chosen per token; ``M * k`` expanded rows
+``hidden`` (H)         model width: FC1 input, FC2 output
+``intermediate`` (I)   expert width: FC1 output (after the gated activation), FC2 input
+``k``                  the reduction length of one GEMV (H for FC1, I for FC2)
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .formats import Fp4Experts, Fp4Format, MxScaleRule
+from .gemv import Activation
+from .moe import Fc1Layout, MoELayer, moe_reference
+from .presets import PRESETS, random_fp4_experts
+from .routing import Router, Routing, RoutingMethod
+
+__all__ = [
+    "PRESETS",
+    "Activation",
+    "Fc1Layout",
+    "Fp4Experts",
+    "Fp4Format",
+    "MoELayer",
+    "MxScaleRule",
+    "Router",
+    "Routing",
+    "RoutingMethod",
+    "__version__",
+    "moe_reference",
+    "random_fp4_experts",
+]

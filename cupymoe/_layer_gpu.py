@@ -1,0 +1,239 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU side of ``MoELayer``: prepared weights, workspaces, eager calls and CUDA graphs.
+
+Weights are uploaded and re-laid out once. Workspaces (routing maps, FC1 and FC2 outputs) are
+allocated for ``max_tokens`` once per activation dtype, so an eager call allocates only its
+output and a graph replay allocates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._backend import require_cupy
+from .finalize import finalize
+from .gemv import ROW_WINDOW, fc1, fc2, prepare_fc1, prepare_fc2
+from .routing import Routing, route
+
+__all__ = ["DeviceLayer", "LayerGraph", "record_graph"]
+
+#: The stages of one call, in order (``stage_times`` reports them under these names).
+STAGES = ("route", "fc1", "fc2", "finalize")
+
+
+@dataclasses.dataclass
+class _Workspace:
+    routing: Routing  # buffers for max_tokens; .prefix(M) gives the views of one call
+    h: Any  # [max_tokens * k, I] FC1 output (expanded order)
+    y: Any  # [max_tokens * k, H] FC2 output (expanded order)
+
+
+class DeviceLayer:
+    """Prepared device state of one :class:`~cupymoe.moe.MoELayer` (built on first GPU use)."""
+
+    def __init__(self, layer: Any) -> None:
+        cupy = require_cupy()
+        self.layer = layer
+        self.device_id = cupy.cuda.Device().id
+        self.fc1_weights = prepare_fc1(
+            layer.gate,
+            layer.up,
+            gate_bias=layer.gate_bias,
+            up_bias=layer.up_bias,
+            pair_interleaved=layer.pair_interleaved,
+        )
+        self.fc2_weights = prepare_fc2(
+            layer.down, bias=layer.fc2_bias, pair_interleaved=layer.pair_interleaved
+        )
+        self._workspaces: dict[np.dtype, _Workspace] = {}
+
+    def workspace(self, dtype: Any) -> _Workspace:
+        """Buffers for ``max_tokens`` tokens of activation ``dtype`` (allocated once)."""
+        dtype = np.dtype(dtype)
+        ws = self._workspaces.get(dtype)
+        if ws is None:
+            cupy = require_cupy()
+            layer = self.layer
+            rows = layer.max_tokens * layer.top_k
+            ws = _Workspace(
+                routing=Routing.empty(layer.max_tokens, layer.n_experts, layer.top_k, xp=cupy),
+                h=cupy.empty((rows, layer.intermediate), dtype),
+                y=cupy.empty((rows, layer.hidden), dtype),
+            )
+            self._workspaces[dtype] = ws
+        return ws
+
+    def stage_calls(self, x: Any, logits: Any, out: Any) -> list[tuple[str, Callable[[], Any]]]:
+        """The four stage launches of one call on fixed buffers, as ``(name, call)`` pairs."""
+        layer = self.layer
+        m = int(x.shape[0])
+        rows = m * layer.top_k
+        ws = self.workspace(x.dtype)
+        routing = ws.routing.prefix(m)
+        h, y = ws.h[:rows], ws.y[:rows]
+        return [
+            ("route", lambda: route(logits, layer.router, out=routing)),
+            ("fc1", lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h)),
+            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y)),
+            ("finalize", lambda: _finalize(y, routing, out)),
+        ]
+
+    def run(self, x: Any, logits: Any, *, out: Any = None) -> Any:
+        """One eager call on the current stream; allocates only ``out`` when it is not given."""
+        cupy = require_cupy()
+        if out is None:
+            out = cupy.empty((x.shape[0], self.layer.hidden), x.dtype)
+        if x.shape[0] == 0:
+            return out
+        for _, call in self.stage_calls(x, logits, out):
+            call()
+        return out
+
+    def capturable(self, n_tokens: int) -> bool:
+        """Whether a call with ``n_tokens`` stays on the GEMV path (which a graph can record)."""
+        return n_tokens * self.layer.top_k <= ROW_WINDOW
+
+
+def _finalize(y: Any, routing: Routing, out: Any) -> Any:
+    return finalize(y, routing, out=out)
+
+
+class LayerGraph:
+    """A CUDA graph of one or more layers with static input and output buffers.
+
+    Write the inputs into :attr:`x` (first layer) and :attr:`logits` (one per layer), call
+    :meth:`replay`, read :attr:`out` (the last layer's output). Layer ``i + 1`` reads layer
+    ``i``'s output, like consecutive layers of a decode step.
+    """
+
+    def __init__(
+        self, graph: Any, stream: Any, x: Any, logits: list[Any], out: Any, keep: Any
+    ) -> None:
+        self._graph = graph
+        self._keep = keep  # every buffer the graph's kernels address must outlive it
+        self.stream = stream
+        self.x = x
+        self.logits = logits
+        self.out = out
+
+    def replay(self) -> Any:
+        """Launch the recorded graph on its stream (asynchronous); returns :attr:`out`."""
+        self._graph.launch(self.stream)
+        return self.out
+
+
+def record_graph(
+    layers: Sequence[Any],
+    n_tokens: int,
+    dtype: Any,
+    *,
+    logits_dtype: Any = np.float32,
+    chain: bool = True,
+    stages: Sequence[str] = STAGES,
+    inputs: tuple[Any, Sequence[Any]] | None = None,
+) -> LayerGraph:
+    """Record ``layers`` (``MoELayer`` objects, applied in sequence) into one CUDA graph.
+
+    Inputs and outputs are static buffers of ``n_tokens`` tokens; all layers must share
+    ``hidden``. With ``chain`` layer ``i + 1`` reads layer ``i``'s output (a decode step);
+    without it every layer reads :attr:`LayerGraph.x`. ``stages`` restricts the recording to
+    some stages (all run once, eagerly, before capture), for per-stage timing; ``inputs``
+    ``(x, [logits per layer])`` fills the static buffers before that warm-up. Raises
+    ``ValueError`` when a layer's expanded rows exceed the GEMV row window
+    (the batched path reads expert counts on the host and cannot be recorded).
+    """
+    cupy = require_cupy()
+    if not layers:
+        raise ValueError("layers: expected at least one MoELayer")
+    hidden = layers[0].hidden
+    for i, layer in enumerate(layers):
+        if layer.hidden != hidden:
+            raise ValueError(f"layers[{i}]: hidden {layer.hidden} differs from {hidden}")
+        if n_tokens < 1 or n_tokens > layer.max_tokens:
+            raise ValueError(f"n_tokens: expected 1..{layer.max_tokens}, got {n_tokens}")
+        if n_tokens * layer.top_k > ROW_WINDOW:
+            raise ValueError(
+                f"n_tokens: {n_tokens} tokens x top_k {layer.top_k} exceed the GEMV row window "
+                f"({ROW_WINDOW}); larger batches take the batched path, which cannot be recorded"
+            )
+    dtype = np.dtype(dtype)
+    x = cupy.zeros((n_tokens, hidden), dtype)
+    logits = [cupy.zeros((n_tokens, layer.n_experts), logits_dtype) for layer in layers]
+    outs = [cupy.zeros((n_tokens, hidden), dtype) for _ in layers]
+    if inputs is not None:
+        x[...] = inputs[0]
+        for buf, value in zip(logits, inputs[1], strict=True):
+            buf[...] = value
+    devices = [layer._device() for layer in layers]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise ValueError(f"stages: expected names from {STAGES}, got {sorted(unknown)}")
+    calls = []
+    inp = x
+    for dev, lg, out in zip(devices, logits, outs, strict=True):
+        calls += dev.stage_calls(inp, lg, out)
+        inp = out if chain else x
+    with stream:
+        for _, call in calls:  # warm-up: compiles kernels, copies router biases, fills caches
+            call()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for name, call in calls:
+                if name in stages:
+                    call()
+        finally:
+            graph = stream.end_capture()
+    graph.upload(stream)
+    stream.synchronize()
+    return LayerGraph(graph, stream, x, logits, outs[-1], keep=(outs, devices))
+
+
+def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> dict[str, float]:
+    """Median microseconds per stage: each stage recorded into a graph, replayed between events."""
+    cupy = require_cupy()
+    out = cupy.empty((x.shape[0], device.layer.hidden), x.dtype)
+    calls = device.stage_calls(x, logits, out)
+    if not device.capturable(int(x.shape[0])):  # batched path: time eagerly
+        return {name: _time_eager(call, repeats) for name, call in calls}
+    stream = cupy.cuda.Stream(non_blocking=True)
+    times: dict[str, float] = {}
+    with stream:
+        for _, call in calls:
+            call()
+        graphs = []
+        for name, call in calls:
+            stream.begin_capture()
+            try:
+                call()
+            finally:
+                graphs.append((name, stream.end_capture()))
+        for name, graph in graphs:
+            times[name] = _time_replays(lambda g=graph: g.launch(stream), stream, repeats)
+    return times
+
+
+def _time_replays(launch: Callable[[], None], stream: Any, repeats: int) -> float:
+    cupy = require_cupy()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(3):
+        launch()
+    samples = []
+    for _ in range(repeats):
+        start.record(stream)
+        launch()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+    return float(np.median(samples))
+
+
+def _time_eager(call: Callable[[], Any], repeats: int) -> float:
+    cupy = require_cupy()
+    stream = cupy.cuda.get_current_stream()
+    return _time_replays(call, stream, repeats)

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Whole-layer benchmark: CUDA-graph replay over a stack of layers with distinct weights.
+
+A decode step runs many layers, each reading its own experts from HBM. One layer replayed
+alone would find its experts in the 60 MB L2 and look faster than it is, so the benchmark builds
+a stack of ``L`` layers whose experts touched at one token exceed 4x the L2, records the stack
+into one CUDA graph and reports the median replay time divided by ``L``.
+
+The floor of a call is the bytes of the DISTINCT experts it must read (packed codes, block
+scales and global scales of gate, up and down), over the HBM read bandwidth (4.5 TB/s measured
+on the H200). Activations and routing metadata are not counted (they are kilobytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._backend import require_cupy
+from .moe import MoELayer
+from .presets import LayerShape
+from .routing import route_ref
+
+__all__ = [
+    "HBM_READ_TBPS",
+    "L2_BYTES",
+    "BenchResult",
+    "bench_preset",
+    "expert_bytes",
+    "stack_depth",
+]
+
+#: Measured HBM read bandwidth of the H200 (TB/s): the denominator of every floor.
+HBM_READ_TBPS = 4.5
+#: L2 of the H200; the stack touches at least 4x this per replay.
+L2_BYTES = 60 << 20
+STAGES = ("route", "fc1", "fc2", "finalize")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """One row of ``cupymoe bench``: a preset at one token count."""
+
+    preset: str
+    format: str
+    dtype: str
+    tokens: int
+    layers: int
+    mode: str  # "graph" (CUDA-graph replay) or "eager" (batched path: not capturable)
+    us_per_layer: float
+    floor_us: float
+    distinct_bytes: int
+    stages_us: dict[str, float]
+
+    @property
+    def effective_tbps(self) -> float:
+        return self.distinct_bytes / (self.us_per_layer * 1e-6) / 1e12
+
+    @property
+    def pct_of_floor(self) -> float:
+        """Floor over measured time, in percent (100 = at the bandwidth floor)."""
+        return 100.0 * self.floor_us / self.us_per_layer
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(effective_tbps=self.effective_tbps, pct_of_floor=self.pct_of_floor)
+        return d
+
+
+def expert_bytes(shape: LayerShape) -> int:
+    """Bytes of one expert's gate + up + down weights, block scales and global scales."""
+    block = 16 if shape.format == "nvfp4" else 32
+    h, i = shape.hidden, shape.intermediate
+    per_matrix = i * h // 2 + i * h // block + 4  # codes + scales + global scale
+    return 3 * per_matrix
+
+
+def distinct_bytes(shape: LayerShape, logits: np.ndarray, layer: MoELayer) -> int:
+    """Bytes a call must read: the experts chosen by at least one token."""
+    ids = route_ref(logits, layer.router).topk_ids
+    return int(np.unique(ids).size) * expert_bytes(shape)
+
+
+def stack_depth(shape: LayerShape, *, max_weight_bytes: float = 48e9) -> int:
+    """Layers needed so that one token's experts over the stack exceed 4x the L2.
+
+    Capped so that the whole stack's weights stay under ``max_weight_bytes`` of GPU memory.
+    """
+    touched = shape.top_k * expert_bytes(shape)
+    layer_bytes = shape.n_experts * expert_bytes(shape)
+    wanted = max(4, math.ceil(4 * L2_BYTES / touched))
+    return max(2, min(wanted, int(max_weight_bytes // layer_bytes)))
+
+
+def _random_layers(shape: LayerShape, n_layers: int, seed: int, max_tokens: int) -> list[MoELayer]:
+    """Layers with random FP4 weights drawn on the GPU (no host quantization)."""
+    from .tune import random_fp4_gpu
+
+    layers = []
+    e, h, i = shape.n_experts, shape.hidden, shape.intermediate
+    rng = np.random.default_rng(seed)
+    for n in range(n_layers):
+        s = seed * 1000 + 10 * n
+        gate = random_fp4_gpu(e, i, h, shape.format, seed=s)
+        up = random_fp4_gpu(e, i, h, shape.format, seed=s + 1)
+        down = random_fp4_gpu(e, h, i, shape.format, seed=s + 2)
+        kw = shape.layer_kwargs()
+        kw["fc1_layout"] = None  # bytes and kernels are the same for every fc1 layout
+        if shape.biases:
+            kw["fc1_bias"] = rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1
+            kw["fc2_bias"] = rng.standard_normal((e, h)).astype(np.float32) * 0.1
+        if shape.routing == "sigmoid_grouped":
+            kw["correction_bias"] = rng.standard_normal(e).astype(np.float32) * 0.01
+        layers.append(MoELayer((gate, up), down, max_tokens=max_tokens, **kw))
+    return layers
+
+
+def _median_us(launch: Callable[[], None], stream: Any, repeats: int, warmup: int = 3) -> float:
+    cupy = require_cupy()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(warmup):
+        launch()
+    stream.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start.record(stream)
+        launch()
+        stop.record(stream)
+        stop.synchronize()
+        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
+    return float(np.median(samples))
+
+
+def bench_preset(
+    shape: LayerShape,
+    tokens: Sequence[int],
+    *,
+    dtype: Any,
+    n_layers: int | None = None,
+    repeats: int = 30,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> list[BenchResult]:
+    """Time ``shape`` at each token count: µs per layer (whole-layer graph) and per stage."""
+    from ._layer_gpu import record_graph
+
+    cupy = require_cupy()
+    n_layers = n_layers or stack_depth(shape)
+    layers = _random_layers(shape, n_layers, seed, max_tokens=max(tokens))
+    rng = np.random.default_rng(seed + 1)
+    dtype = np.dtype(dtype)
+    results = []
+    for m in tokens:
+        if progress:
+            progress(f"{shape.name} M={m}")
+        x = rng.standard_normal((m, shape.hidden)).astype(dtype)
+        logits = [rng.standard_normal((m, shape.n_experts)).astype(np.float32) for _ in layers]
+        floor_bytes = float(
+            np.mean([distinct_bytes(shape, lg, ly) for lg, ly in zip(logits, layers, strict=True)])
+        )
+        xd = cupy.asarray(x)
+        ld = [cupy.asarray(lg) for lg in logits]
+        if layers[0]._device().capturable(m):
+            mode = "graph"
+            whole = record_graph(layers, m, dtype, chain=False, inputs=(xd, ld))
+            total = _median_us(whole.replay, whole.stream, repeats)
+            stages = {}
+            for stage in STAGES:
+                g = record_graph(layers, m, dtype, chain=False, stages=(stage,), inputs=(xd, ld))
+                stages[stage] = _median_us(g.replay, g.stream, repeats) / n_layers
+                del g
+            del whole
+        else:
+            mode = "eager"
+            stream = cupy.cuda.get_current_stream()
+            total = _median_us(_eager_stack(layers, xd, ld), stream, max(3, repeats // 5), 1)
+            stages = {}
+        results.append(
+            BenchResult(
+                preset=shape.name,
+                format=shape.format,
+                dtype=dtype.name,
+                tokens=m,
+                layers=n_layers,
+                mode=mode,
+                us_per_layer=total / n_layers,
+                floor_us=floor_bytes / (HBM_READ_TBPS * 1e12) * 1e6,
+                distinct_bytes=int(floor_bytes),
+                stages_us=stages,
+            )
+        )
+    return results
+
+
+def _eager_stack(layers: Sequence[MoELayer], x: Any, logits: Sequence[Any]) -> Callable[[], None]:
+    def run() -> None:
+        for layer, lg in zip(layers, logits, strict=True):
+            layer(x, lg)
+
+    return run
+
+
+def format_table(results: Sequence[BenchResult]) -> str:
+    """Markdown table of ``results`` (the README and ``benchmarks/`` use this format)."""
+    head = (
+        "| preset | M | mode | µs/layer | floor µs | % of floor | TB/s | route | fc1 | fc2 "
+        "| finalize |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = []
+    for r in results:
+        st = [f"{r.stages_us[s]:.2f}" if s in r.stages_us else "—" for s in STAGES]
+        rows.append(
+            f"| {r.preset} {r.format} {r.dtype} | {r.tokens} | {r.mode} | {r.us_per_layer:.2f} "
+            f"| {r.floor_us:.2f} | {r.pct_of_floor:.0f} % | {r.effective_tbps:.2f} | "
+            + " | ".join(st)
+            + " |"
+        )
+    return "\n".join([head, *rows])

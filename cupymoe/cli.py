@@ -1,0 +1,393 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``cupymoe`` command line: a thin click layer over library calls.
+
+Commands: ``run`` (one layer, error against the reference, time per stage), ``bench``
+(CUDA-graph replay over a stack of layers), ``tune`` (GEMV tilings into the JSON cache),
+``info`` (GPU, CuPy / NVRTC versions, cache paths, environment variables).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import click
+import ml_dtypes
+import numpy as np
+
+from . import __version__
+from ._backend import cupy_or_none, gpu_available
+from .presets import PRESETS, LayerShape, random_layer
+
+_DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+
+
+def _shape_from_options(
+    preset: str | None,
+    hidden: int | None,
+    inter: int | None,
+    experts: int | None,
+    top_k: int | None,
+    fmt: str | None,
+) -> LayerShape:
+    """A preset with explicit options applied on top, or a fully explicit shape."""
+    if preset is not None:
+        base = PRESETS[preset]
+    else:
+        missing = [
+            name
+            for name, v in (("--hidden", hidden), ("--inter", inter), ("--experts", experts))
+            if v is None
+        ]
+        if missing:
+            raise click.UsageError(
+                f"give --preset or all of --hidden/--inter/--experts (missing {', '.join(missing)})"
+            )
+        base = LayerShape("custom", 0, 0, 0, 8 if top_k is None else top_k, fmt or "nvfp4")
+    changes = {
+        k: v
+        for k, v in (
+            ("hidden", hidden),
+            ("intermediate", inter),
+            ("n_experts", experts),
+            ("top_k", top_k),
+            ("format", fmt),
+        )
+        if v is not None
+    }
+    import dataclasses
+
+    shape = dataclasses.replace(base, **changes)
+    if shape.top_k < 1 or shape.top_k > shape.n_experts:
+        raise click.BadParameter(
+            f"must be in 1..{shape.n_experts} (the number of experts), got {shape.top_k}",
+            param_hint="--top-k",
+        )
+    if shape.n_group is not None and shape.n_experts % shape.n_group:
+        raise click.BadParameter(
+            f"{shape.name} routes in {shape.n_group} groups; --experts must be a multiple of it",
+            param_hint="--experts",
+        )
+    return shape
+
+
+def _median_time(fn: Any, repeats: int, sync: Any) -> float:
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cupymoe")
+def cli() -> None:
+    """Run 4-bit (NVFP4 / MXFP4) Mixture-of-Experts layers on NVIDIA GPUs."""
+
+
+_preset_option = click.option(
+    "--preset", type=click.Choice(sorted(PRESETS)), help="a real model's layer shape"
+)
+
+
+@cli.command()
+@_preset_option
+@click.option("--hidden", type=click.IntRange(min=1), help="hidden size H")
+@click.option("--inter", type=click.IntRange(min=1), help="intermediate size I (per expert)")
+@click.option("--experts", type=click.IntRange(min=1), help="number of experts E")
+@click.option("--top-k", type=int, help="experts per token")
+@click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
+@click.option("--tokens", type=click.IntRange(min=0), default=1, show_default=True)
+@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+def run(
+    preset: str | None,
+    hidden: int | None,
+    inter: int | None,
+    experts: int | None,
+    top_k: int | None,
+    fmt: str | None,
+    tokens: int,
+    dtype: str,
+    seed: int,
+    repeats: int,
+) -> None:
+    """Run one MoE layer on random weights; print the error against the reference and timings."""
+    from .moe import MoELayer, moe_reference
+    from .testing import relative_errors
+
+    shape = _shape_from_options(preset, hidden, inter, experts, top_k, fmt)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    try:
+        layer = MoELayer(**random_layer(shape, rng, max_tokens=max(tokens, 1)))
+    except (ValueError, TypeError) as error:
+        raise click.ClickException(str(error)) from error
+    made = time.perf_counter() - t0
+    x = rng.standard_normal((tokens, shape.hidden)).astype(_DTYPES[dtype])
+    logits = rng.standard_normal((tokens, shape.n_experts)).astype(np.float32)
+    click.echo(f"layer   {layer!r}")
+    click.echo(
+        f"weights {layer.weight_nbytes / 2**20:.1f} MiB (random, made in {made:.1f} s); "
+        f"x [{tokens}, {shape.hidden}] {dtype}"
+    )
+    ref = moe_reference(x, logits, layer)
+    if gpu_available():
+        cupy = cupy_or_none()
+        assert cupy is not None
+        xd, ld = cupy.asarray(x), cupy.asarray(logits)
+        out = layer(xd, ld)
+        sync = cupy.cuda.get_current_stream().synchronize
+        seconds = _median_time(lambda: layer(xd, ld), repeats, sync)
+        out_host = out.get()
+        click.echo(f"backend GPU ({cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()})")
+        click.echo(f"time    {seconds * 1e6:.1f} us per eager call (median of {repeats})")
+        for stage, us in layer.stage_times(xd, ld).items():
+            click.echo(f"  {stage:<10} {us:8.2f} us")
+    else:
+        click.echo("backend NumPy reference (no CUDA GPU found)")
+        out_host = layer(x, logits)
+        seconds = _median_time(lambda: layer(x, logits), repeats, lambda: None)
+        click.echo(f"time    {seconds * 1e3:.1f} ms per call (median of {repeats})")
+    max_rel, rms_rel = relative_errors(ref, out_host)
+    flat = out_host.astype(np.float64)
+    if flat.size:
+        click.echo(
+            f"output  [{tokens}, {shape.hidden}] mean {flat.mean():+.4f} std {flat.std():.4f} "
+            f"max|.| {np.abs(flat).max():.4f}"
+        )
+    click.echo(f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference)")
+
+
+def _int_list(value: str, name: str) -> list[int]:
+    try:
+        items = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"expected comma-separated integers, got {value!r}", param_hint=name
+        ) from None
+    if not items or min(items) < 1:
+        raise click.BadParameter(f"expected positive integers, got {value!r}", param_hint=name)
+    return items
+
+
+def _require_gpu(command: str) -> None:
+    if not gpu_available():
+        raise click.ClickException(
+            f"`cupymoe {command}` times GPU kernels and needs a CUDA GPU (none found); "
+            "`cupymoe run` works without one"
+        )
+
+
+@cli.command()
+@click.option(
+    "--preset",
+    "presets",
+    type=click.Choice(sorted(PRESETS)),
+    multiple=True,
+    help="preset(s) to time (default: all three)",
+)
+@click.option(
+    "--tokens", default="1,2,4,8,16,64", show_default=True, help="comma-separated token counts"
+)
+@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
+@click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="layers in the stack (default: enough to read 4x the L2 at one token)",
+)
+@click.option("--repeats", type=click.IntRange(min=3), default=30, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results as JSON")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="write results as CSV")
+def bench(
+    presets: tuple[str, ...],
+    tokens: str,
+    dtype: str,
+    layers: int | None,
+    repeats: int,
+    json_path: str | None,
+    csv_path: str | None,
+) -> None:
+    """Time whole layers: CUDA-graph replay over a stack of layers, µs and % of the HBM floor."""
+    token_list = _int_list(tokens, "--tokens")
+    _require_gpu("bench")
+    from .bench import HBM_READ_TBPS, bench_preset, format_table
+
+    names = presets or tuple(PRESETS)
+    results = []
+    with click.progressbar(
+        length=len(names) * len(token_list), label="benchmarking", file=sys.stderr
+    ) as bar:
+        for name in names:
+
+            def step(label: str) -> None:
+                bar.label = label
+                bar.update(1)
+
+            results += bench_preset(
+                PRESETS[name],
+                token_list,
+                dtype=_DTYPES[dtype],
+                n_layers=layers,
+                repeats=repeats,
+                progress=step,
+            )
+            cupy_or_none().get_default_memory_pool().free_all_blocks()  # type: ignore[union-attr]
+    click.echo(format_table(results))
+    if json_path or csv_path:
+        cupy = cupy_or_none()
+        assert cupy is not None
+        gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        records = [r.as_dict() for r in results]
+        if json_path:
+            import json
+
+            with open(json_path, "w", encoding="utf-8") as f:
+                json.dump(
+                    {
+                        "gpu": gpu,
+                        "hbm_read_tbps": HBM_READ_TBPS,
+                        "command": " ".join(["cupymoe", *sys.argv[1:]]),
+                        "results": records,
+                    },
+                    f,
+                    indent=1,
+                )
+        if csv_path:
+            import csv
+
+            flat = [
+                {
+                    **{k: v for k, v in r.items() if k != "stages_us"},
+                    **{f"{s}_us": v for s, v in r["stages_us"].items()},
+                }
+                for r in records
+            ]
+            fields = sorted({k for row in flat for k in row}, key=lambda k: (k.endswith("_us"), k))
+            with open(csv_path, "w", newline="", encoding="utf-8") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(flat)
+
+
+@cli.command()
+@_preset_option
+@click.option(
+    "--shape",
+    "shapes",
+    multiple=True,
+    help="N,K of a GEMV to tune (repeatable); default: the preset's FC1 and FC2",
+)
+@click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
+@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
+@click.option(
+    "--rows",
+    default="1,2,4,8,16,32,64",
+    show_default=True,
+    help="comma-separated expanded-row counts",
+)
+@click.option("--repeats", type=click.IntRange(min=3), default=20, show_default=True)
+def tune(
+    preset: str | None,
+    shapes: tuple[str, ...],
+    fmt: str | None,
+    dtype: str,
+    rows: str,
+    repeats: int,
+) -> None:
+    """Profile the GEMV tilings for the given shapes; store the winners in the tuning cache."""
+    rows_list = _int_list(rows, "--rows")
+    pairs: list[tuple[int, int, str]] = []
+    for text in shapes:
+        n_k = _int_list(text, "--shape")
+        if len(n_k) != 2:
+            raise click.BadParameter(f"expected N,K, got {text!r}", param_hint="--shape")
+        pairs.append((n_k[0], n_k[1], "fc2"))
+    if preset is not None:
+        p = PRESETS[preset]
+        fmt = fmt or p.format
+        pairs += [(p.intermediate, p.hidden, "fc1"), (p.hidden, p.intermediate, "fc2")]
+    if not pairs:
+        raise click.UsageError("give --preset or at least one --shape N,K")
+    _require_gpu("tune")
+    from .tune import cache_path, count_trials, tune_gemv
+
+    fmt = fmt or "nvfp4"
+    total = sum(count_trials([(n, k)], fmt=fmt, rows_list=rows_list) for n, k, _ in pairs)
+    with click.progressbar(length=total, label="tuning", file=sys.stderr) as bar:
+        state = {"done": 0}
+
+        def progress(done: int, _total: int, label: str) -> None:
+            bar.label = label
+            bar.update(done - state["done"])
+            state["done"] = done
+
+        for n, k, op in pairs:
+            state["done"] = 0
+            tune_gemv(
+                [(n, k)],
+                fmt=fmt,
+                dtype=_DTYPES[dtype],
+                rows_list=rows_list,
+                op=op,
+                repeats=repeats,
+                progress=progress,
+            )
+    click.echo(f"stored {len(pairs)} shape(s) x {len(rows_list)} row buckets in {cache_path()}")
+
+
+@cli.command()
+def info() -> None:
+    """GPU, CuPy / NVRTC versions, cache paths and the environment variables in force."""
+    from ._compile import ENV_LINEINFO
+
+    click.echo(f"cupymoe  {__version__}")
+    click.echo(f"python   {platform.python_version()} ({sys.executable})")
+    click.echo(f"numpy    {np.__version__}   ml_dtypes {ml_dtypes.__version__}")
+    cupy = cupy_or_none()
+    if cupy is None:
+        click.echo("cupy     not installed (pip install 'cupymoe[cuda12]'); reference backend only")
+    else:
+        click.echo(f"cupy     {cupy.__version__}")
+        try:
+            from cupy_backends.cuda.libs import nvrtc
+
+            click.echo(f"nvrtc    {'.'.join(map(str, nvrtc.getVersion()))}")
+        except Exception as error:  # NVRTC library not found
+            click.echo(f"nvrtc    unavailable ({error})")
+        if gpu_available():
+            props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+            click.echo(
+                f"gpu      {props['name'].decode()} (sm_{props['major']}{props['minor']}, "
+                f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)"
+            )
+        else:
+            click.echo("gpu      none found; reference backend")
+        cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+        click.echo(f"kernels  CuPy cache {cache}")
+    from .tune import cache_path
+
+    click.echo(f"tuning   {cache_path()}")
+    click.echo("environment:")
+    from .config import ENV_GEMV_CONFIG
+
+    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG):
+        click.echo(f"  {name}={os.environ.get(name, '')!s:<20} ")
+
+
+def main() -> None:
+    """Entry point of the ``cupymoe`` script."""
+    cli(prog_name="cupymoe")
+
+
+if __name__ == "__main__":
+    main()

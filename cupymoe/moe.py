@@ -1,0 +1,368 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The whole MoE layer: routing -> FC1 GEMV with the gated activation -> FC2 GEMV -> finalize.
+
+``MoELayer`` holds validated weights and options; :func:`moe_reference` composes the float64
+``*_ref`` stages and is the oracle of every test. The GPU path runs the CUDA stages on CuPy
+arrays; on a machine without a GPU the layer runs the reference and says so once.
+"""
+
+from __future__ import annotations
+
+import enum
+import warnings
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ._backend import gpu_available, is_cupy_array, require_cupy
+from .expand import expand_ref
+from .finalize import finalize_ref
+from .formats import Fp4Experts
+from .gemv import Activation, ActivationSpec, fc1_ref, gemv_ref
+from .routing import Router, RoutingMethod, route_ref
+
+__all__ = ["Fc1Layout", "MoELayer", "moe_reference"]
+
+_ACTIVATION_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+_LOGIT_DTYPES = (*_ACTIVATION_DTYPES, np.dtype(np.float32), np.dtype(np.float64))
+
+
+class Fc1Layout(enum.Enum):
+    """How gate and up rows are stored when FC1 is given as one ``[E, 2I, H]`` tensor."""
+
+    #: rows ``0..I-1`` are gate, rows ``I..2I-1`` are up (ModelOpt / ONNX Runtime order)
+    CONCATENATED = "concatenated"
+    #: gate and up alternate: gate0, up0, gate1, up1, ... (gpt-oss checkpoints)
+    INTERLEAVED = "interleaved"
+
+
+def _split_fc1(
+    fc1: Any, layout: str | Fc1Layout | None
+) -> tuple[Fp4Experts, Fp4Experts, np.ndarray, np.ndarray]:
+    """Return (gate, up, gate_rows, up_rows): the row indices of gate and up in fc1's order."""
+    if isinstance(fc1, tuple | list):
+        if len(fc1) != 2 or not all(isinstance(w, Fp4Experts) for w in fc1):
+            raise TypeError("fc1: expected an Fp4Experts or a (gate, up) pair of Fp4Experts")
+        if layout is not None:
+            raise ValueError(
+                "fc1_layout: only for a single [E, 2I, H] tensor, not a (gate, up) pair"
+            )
+        gate, up = fc1
+        if gate.packed.shape != up.packed.shape or gate.format != up.format:
+            raise ValueError(
+                f"fc1: gate and up must have the same shape and format, got "
+                f"{gate.format.value}{gate.packed.shape} and {up.format.value}{up.packed.shape}"
+            )
+        i = gate.n
+        return gate, up, np.arange(i), np.arange(i, 2 * i)
+    if not isinstance(fc1, Fp4Experts):
+        raise TypeError(f"fc1: expected Fp4Experts or a (gate, up) pair, got {type(fc1).__name__}")
+    if layout is None:
+        raise ValueError(
+            "fc1_layout: a single fc1 tensor [E, 2I, H] needs fc1_layout='concatenated' or "
+            "'interleaved'"
+        )
+    try:
+        layout = Fc1Layout(layout)
+    except ValueError:
+        raise ValueError(
+            f"fc1_layout: expected one of {[m.value for m in Fc1Layout]}, got {layout!r}"
+        ) from None
+    if fc1.n % 2:
+        raise ValueError(f"fc1: expected an even number of rows (2 * intermediate), got {fc1.n}")
+    i = fc1.n // 2
+    if layout is Fc1Layout.CONCATENATED:
+        gate_rows, up_rows = np.arange(i), np.arange(i, 2 * i)
+    else:
+        gate_rows, up_rows = np.arange(0, 2 * i, 2), np.arange(1, 2 * i, 2)
+    return fc1.select_rows(gate_rows), fc1.select_rows(up_rows), gate_rows, up_rows
+
+
+def _bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    if value is None:
+        return None
+    from ._backend import to_numpy
+
+    b = to_numpy(value)
+    if b.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a floating-point array, got dtype {b.dtype}")
+    if b.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {b.shape}")
+    b = b.astype(np.float32)
+    if not np.all(np.isfinite(b)):
+        raise ValueError(f"{name}: contains NaN or Inf")
+    b.setflags(write=False)
+    return b
+
+
+class MoELayer:
+    """One quantized MoE layer: ``out[t] = sum_j w[t, j] * FFN_{e[t, j]}(x[t])``.
+
+    ``FFN_e(x) = W2_e · act(W1gate_e · x + b_gate, W1up_e · x + b_up) + b2_e``, with block-scaled
+    E2M1 weights (:class:`~cupymoe.formats.Fp4Experts`).
+
+    Parameters
+    ----------
+    fc1 : (Fp4Experts, Fp4Experts) or Fp4Experts
+        ``(gate, up)``, each ``[E, I, H]`` with its own global scale, or one ``[E, 2I, H]``
+        tensor with ``fc1_layout``.
+    fc2 : Fp4Experts
+        Down projection ``[E, H, I]``.
+    top_k : int
+        Experts per token, ``1 <= top_k <= E``.
+    routing : {"softmax_topk", "topk_softmax", "sigmoid_grouped"}
+        Router kind (see ``FORMATS.md``); ``sigmoid_grouped`` takes ``n_group``,
+        ``topk_group``, ``correction_bias`` and ``routed_scaling_factor``.
+    renormalize : bool
+        ``softmax_topk`` only: divide the ``top_k`` weights by their sum.
+    activation : {"swiglu", "geglu", "swiglu_oai"}
+        Gated activation; ``swiglu_oai`` takes ``activation_alpha`` and ``activation_limit``.
+    fc1_bias : array [E, 2I], optional
+        In fc1's row order (for a ``(gate, up)`` pair: gate rows, then up rows).
+    fc2_bias : array [E, H], optional
+    max_tokens : int
+        Largest ``n_tokens`` per call; GPU workspaces are sized for it.
+    pair_interleaved : bool
+        Store the GPU weights in the SM80 pair-interleaved nibble order.
+
+    Notes
+    -----
+    NumPy in -> NumPy out (copied to and from the GPU); CuPy in -> CuPy out (no copy). With no
+    GPU the layer computes :func:`moe_reference` and rounds to the activation dtype.
+    """
+
+    def __init__(
+        self,
+        fc1: Any,
+        fc2: Fp4Experts,
+        *,
+        top_k: int,
+        routing: str | RoutingMethod = "softmax_topk",
+        renormalize: bool = True,
+        n_group: int | None = None,
+        topk_group: int | None = None,
+        correction_bias: Any = None,
+        routed_scaling_factor: float = 1.0,
+        activation: str | Activation = "swiglu",
+        activation_alpha: float = 1.702,
+        activation_limit: float = 7.0,
+        fc1_layout: str | Fc1Layout | None = None,
+        fc1_bias: Any = None,
+        fc2_bias: Any = None,
+        max_tokens: int = 64,
+        pair_interleaved: bool = False,
+    ) -> None:
+        gate, up, gate_rows, up_rows = _split_fc1(fc1, fc1_layout)
+        if not isinstance(fc2, Fp4Experts):
+            raise TypeError(f"fc2: expected Fp4Experts, got {type(fc2).__name__}")
+        n_experts, intermediate, hidden = gate.n_experts, gate.n, gate.k
+        if fc2.packed.shape[0] != n_experts or (fc2.n, fc2.k) != (hidden, intermediate):
+            raise ValueError(
+                f"fc2: expected experts x rows x cols = ({n_experts}, {hidden}, {intermediate}) "
+                f"to match fc1, got ({fc2.n_experts}, {fc2.n}, {fc2.k})"
+            )
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
+            raise TypeError(f"max_tokens: expected int, got {type(max_tokens).__name__}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        if not isinstance(activation, Activation):
+            activation = Activation.parse(activation)
+        self.router = Router(
+            n_experts=n_experts,
+            top_k=top_k,
+            method=RoutingMethod.parse(routing) if isinstance(routing, str) else routing,
+            renormalize=renormalize,
+            n_group=n_group,
+            topk_group=topk_group,
+            correction_bias=correction_bias,
+            routed_scaling_factor=routed_scaling_factor,
+        )
+        self.activation = ActivationSpec(activation, alpha=activation_alpha, limit=activation_limit)
+        self.gate, self.up, self.down = gate, up, fc2
+        b1 = _bias(fc1_bias, "fc1_bias", (n_experts, 2 * intermediate))
+        self.gate_bias = None if b1 is None else np.ascontiguousarray(b1[:, gate_rows])
+        self.up_bias = None if b1 is None else np.ascontiguousarray(b1[:, up_rows])
+        self.fc2_bias = _bias(fc2_bias, "fc2_bias", (n_experts, hidden))
+        self.max_tokens = int(max_tokens)
+        self.pair_interleaved = bool(pair_interleaved)
+        self._gpu: Any = None  # prepared device weights and workspaces, built on first GPU use
+        self._warned_reference = False
+
+    # ---- shapes ------------------------------------------------------------------------------
+    @property
+    def n_experts(self) -> int:
+        return self.gate.n_experts
+
+    @property
+    def hidden(self) -> int:
+        return self.gate.k
+
+    @property
+    def intermediate(self) -> int:
+        return self.gate.n
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of all experts' packed weights, block scales and global scales."""
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"MoELayer(experts={self.n_experts}, hidden={self.hidden}, "
+            f"intermediate={self.intermediate}, top_k={self.top_k}, "
+            f"format={self.gate.format.value}/{self.down.format.value}, "
+            f"routing={self.router.method.value}, activation={self.activation.kind.value})"
+        )
+
+    # ---- validation --------------------------------------------------------------------------
+    def check_inputs(self, x: Any, router_logits: Any) -> int:
+        """Validate ``x [M, H]`` and ``router_logits [M, E]``; return ``M``."""
+        for name, a in (("x", x), ("router_logits", router_logits)):
+            if not (isinstance(a, np.ndarray) or is_cupy_array(a)):
+                raise TypeError(
+                    f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__name__}"
+                )
+        if is_cupy_array(x) != is_cupy_array(router_logits):
+            raise TypeError("x and router_logits: expected both NumPy or both CuPy arrays")
+        if x.ndim != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x: expected shape (n_tokens, {self.hidden}), got {tuple(x.shape)}")
+        if np.dtype(x.dtype) not in _ACTIVATION_DTYPES:
+            raise TypeError(f"x: expected dtype bfloat16 or float16, got {x.dtype}")
+        m = int(x.shape[0])
+        if router_logits.ndim != 2 or tuple(router_logits.shape) != (m, self.n_experts):
+            raise ValueError(
+                f"router_logits: expected shape ({m}, {self.n_experts}), "
+                f"got {tuple(router_logits.shape)}"
+            )
+        if np.dtype(router_logits.dtype) not in _LOGIT_DTYPES:
+            raise TypeError(
+                f"router_logits: expected dtype bfloat16, float16, float32 or float64, "
+                f"got {router_logits.dtype}"
+            )
+        if m > self.max_tokens:
+            raise ValueError(
+                f"x: n_tokens {m} exceeds max_tokens={self.max_tokens}; build the layer with a "
+                "larger max_tokens"
+            )
+        return m
+
+    # ---- running -----------------------------------------------------------------------------
+    def __call__(self, x: Any, router_logits: Any, *, out: Any = None) -> Any:
+        """Run the layer: ``x [M, H]`` (bf16/fp16), ``router_logits [M, E]`` -> ``[M, H]``."""
+        m = self.check_inputs(x, router_logits)
+        on_device = is_cupy_array(x)
+        if not on_device and not gpu_available():
+            if not self._warned_reference:
+                warnings.warn(
+                    "cupymoe: no CUDA GPU available; MoELayer runs the NumPy reference",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._warned_reference = True
+            result = moe_reference(x, router_logits, self).astype(x.dtype)
+            if out is not None:
+                _check_out(out, (m, self.hidden), x.dtype, device=False)
+                out[...] = result
+                return out
+            return result
+        cupy = require_cupy()
+        xd = x if on_device else cupy.asarray(x)
+        ld = router_logits if on_device else cupy.asarray(router_logits)
+        if out is not None:
+            _check_out(out, (m, self.hidden), x.dtype, device=on_device)
+        result = self._device().run(xd, ld, out=out if on_device else None)
+        if on_device:
+            return result
+        host = result.get()
+        if out is not None:
+            out[...] = host
+            return out
+        return host
+
+    def graph(self, n_tokens: int, *, dtype: Any = ml_dtypes.bfloat16) -> Any:
+        """Record this layer into a CUDA graph with static buffers for ``n_tokens`` tokens.
+
+        Returns a :class:`~cupymoe._layer_gpu.LayerGraph`: copy the inputs into ``g.x`` and
+        ``g.logits[0]``, call ``g.replay()``, read ``g.out``. Replays give bitwise the results of
+        eager calls. ``n_tokens * top_k`` must stay within the GEMV row window (64).
+        """
+        from ._layer_gpu import record_graph
+
+        return record_graph([self], n_tokens, dtype)
+
+    def stage_times(self, x: Any, router_logits: Any, *, repeats: int = 50) -> dict[str, float]:
+        """Median GPU microseconds of each stage (route, fc1, fc2, finalize) for these inputs.
+
+        Each stage is recorded into its own CUDA graph and replayed ``repeats`` times between
+        CUDA events, so host launch cost is excluded. Weights stay in L2 between replays: use
+        ``cupymoe bench`` for HBM-bound figures.
+        """
+        from ._layer_gpu import time_stages
+
+        self.check_inputs(x, router_logits)
+        return time_stages(self._device(), x, router_logits, repeats=repeats)
+
+    def _device(self) -> Any:
+        if self._gpu is None:
+            from ._layer_gpu import DeviceLayer
+
+            self._gpu = DeviceLayer(self)
+        return self._gpu
+
+
+def _check_out(out: Any, shape: tuple[int, ...], dtype: Any, *, device: bool) -> None:
+    if device != is_cupy_array(out) or not (device or isinstance(out, np.ndarray)):
+        kind = "cupy.ndarray" if device else "numpy.ndarray"
+        raise TypeError(f"out: expected a {kind} like x, got {type(out).__name__}")
+    if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(dtype):
+        raise ValueError(f"out: expected {shape} {np.dtype(dtype)}, got {out.shape} {out.dtype}")
+
+
+def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
+    """Float64 NumPy oracle of ``layer(x, router_logits)``: the ``*_ref`` stages composed.
+
+    Parameters
+    ----------
+    x : array [M, H]
+        bf16 / fp16 activations (NumPy or CuPy; copied to the host).
+    router_logits : array [M, E]
+    layer : MoELayer
+
+    Returns
+    -------
+    numpy.ndarray float64 [M, H]
+
+    Examples
+    --------
+    >>> import numpy as np, ml_dtypes, cupymoe as cm
+    >>> rng = np.random.default_rng(0)
+    >>> gate, up = (cm.Fp4Experts.quantize(rng.standard_normal((4, 32, 64))) for _ in range(2))
+    >>> down = cm.Fp4Experts.quantize(rng.standard_normal((4, 64, 32)))
+    >>> layer = cm.MoELayer((gate, up), down, top_k=2)
+    >>> x = rng.standard_normal((3, 64)).astype(ml_dtypes.bfloat16)
+    >>> cm.moe_reference(x, rng.standard_normal((3, 4)).astype(np.float32), layer).shape
+    (3, 64)
+    """
+    from ._backend import to_numpy
+
+    x = to_numpy(x)
+    logits = to_numpy(router_logits)
+    layer.check_inputs(x, logits)
+    routing = route_ref(logits, layer.router)
+    x_sorted = expand_ref(x, routing).astype(np.float64)
+    h = fc1_ref(
+        x_sorted,
+        layer.gate,
+        layer.up,
+        routing.expert_offsets,
+        act=layer.activation,
+        gate_bias=layer.gate_bias,
+        up_bias=layer.up_bias,
+    )
+    y = gemv_ref(h, layer.down, routing.expert_offsets, bias=layer.fc2_bias)
+    return finalize_ref(y, routing)

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The click CLI: ``run`` on presets and explicit shapes, bad options exit with code 2, ``info``."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from click.testing import CliRunner
+
+from cupymoe._backend import gpu_available
+from cupymoe.cli import cli
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, result.output
+
+
+def _error(output: str) -> float:
+    m = re.search(r"max_rel (\S+)\s+rms_rel (\S+)", output)
+    assert m, output
+    return float(m.group(1))
+
+
+def test_run_readme_command() -> None:
+    # The README's command, full size: 256 experts of 2048 x 512.
+    code, out = _run("run", "--preset", "qwen3.6-35b-a3b", "--tokens", "4", "--repeats", "1")
+    assert code == 0, out
+    assert "experts=256" in out and "error" in out
+    backend = "GPU" if gpu_available() else "NumPy reference (no CUDA GPU found)"
+    assert f"backend {backend}" in out
+    assert _error(out) < 2e-2  # the reference itself (bf16 rounding) or the GPU kernels
+
+
+@pytest.mark.parametrize("preset", ["gpt-oss-20b", "deepseek-v3"])
+def test_run_presets_with_fewer_experts(preset: str) -> None:
+    code, out = _run("run", "--preset", preset, "--experts", "32", "--tokens", "2",
+                     "--repeats", "1", "--dtype", "fp16")
+    assert code == 0, out
+    assert "experts=32" in out and _error(out) < 2e-2
+
+
+def test_run_explicit_shape() -> None:
+    code, out = _run("run", "--hidden", "256", "--inter", "128", "--experts", "8", "--top-k", "2",
+                     "--format", "mxfp4", "--tokens", "3", "--seed", "7", "--repeats", "1")
+    assert code == 0, out
+    assert "hidden=256" in out and "mxfp4" in out
+
+
+def test_run_zero_tokens() -> None:
+    code, out = _run("run", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "1",
+                     "--tokens", "0", "--repeats", "1")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["run", "--tokens", "-1", "--preset", "gpt-oss-20b"], "--tokens"),
+        (["run", "--preset", "llama"], "--preset"),
+        (["run", "--hidden", "64"], "--inter"),
+        (["run", "--preset", "gpt-oss-20b", "--top-k", "0"], "--top-k"),
+        (["run", "--preset", "gpt-oss-20b", "--top-k", "33"], "--top-k"),
+        (["run", "--preset", "deepseek-v3", "--experts", "20"], "--experts"),
+        (["run", "--preset", "gpt-oss-20b", "--format", "int4"], "--format"),
+        (["run", "--preset", "gpt-oss-20b", "--dtype", "fp8"], "--dtype"),
+        (["frobnicate"], "No such command"),
+    ],
+)
+def test_bad_options_exit_2(args: list[str], match: str) -> None:
+    code, out = _run(*args)
+    assert code == 2, out
+    assert match in out
+
+
+def test_bad_shape_is_a_clear_error() -> None:
+    # K = 40 is not a multiple of the NVFP4 block (16): the library's ValueError, exit code 1.
+    code, out = _run("run", "--hidden", "40", "--inter", "32", "--experts", "4", "--top-k", "1",
+                     "--repeats", "1")
+    assert code == 1, out
+    assert "Error:" in out and "16" in out
+
+
+def test_info() -> None:
+    code, out = _run("info")
+    assert code == 0, out
+    for word in ("cupymoe", "numpy", "cupy", "tuning", "CUPYMOE_LINEINFO"):
+        assert word in out
