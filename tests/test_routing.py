@@ -1,0 +1,367 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Routing: reference semantics (CPU), the GPU kernels against the reference (ids and maps
+exact, weights to float32 rounding), determinism, CUDA-graph capture, and input validation."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupymoe.routing import (
+    Router,
+    Routing,
+    RoutingMethod,
+    expert_maps,
+    expert_maps_ref,
+    route,
+    route_ref,
+    sigmoid_f32,
+)
+from cupymoe.testing import assert_close, assert_equal
+
+BF16 = ml_dtypes.bfloat16
+METHODS = tuple(RoutingMethod)
+
+
+def _router(
+    method: RoutingMethod, e: int, k: int, *, renormalize: bool = True, seed: int = 0
+) -> Router:
+    if method is not RoutingMethod.SIGMOID_GROUPED:
+        return Router(e, k, method, renormalize)
+    n_group = next(g for g in (8, 4, 2, 1) if e % g == 0 and (g == 1 or e // g >= 2))
+    size = e // n_group
+    topk_group = min(n_group, max(-(-k // size), n_group // 2))
+    bias = (np.random.default_rng(seed).standard_normal(e) * 0.05).astype(np.float32)
+    return Router(
+        e,
+        k,
+        method,
+        renormalize,
+        n_group=n_group,
+        topk_group=topk_group,
+        correction_bias=bias,
+        routed_scaling_factor=2.5,
+    )
+
+
+def _logits(kind: str, m: int, e: int, dtype: type, rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal((m, e)) * 3
+    if kind == "ties":  # quantised: many exact ties
+        x = np.round(x)
+    elif kind == "equal":
+        x = np.full((m, e), 0.5)
+    elif kind == "inf":
+        x[rng.random((m, e)) < 0.1] = np.inf
+        x[rng.random((m, e)) < 0.1] = -np.inf
+    elif kind == "nan":
+        x[rng.random((m, e)) < 0.2] = np.nan
+        x[rng.random((m, e)) < 0.05] = -np.inf
+        if m > 1:
+            x[1] = np.nan  # a row of only NaN
+    return x.astype(dtype)
+
+
+# ---- reference semantics (CPU) ------------------------------------------------------------------
+def test_softmax_topk_hand_computed() -> None:
+    logits = np.array([[1.0, 3.0, 2.0, 3.0]], np.float32)
+    r = route_ref(logits, Router(4, 2, renormalize=False))
+    assert r.topk_ids.tolist() == [[1, 3]]  # tie 3.0 / 3.0 -> lower id first
+    p = np.exp([1.0, 3.0, 2.0, 3.0]) / np.exp([1.0, 3.0, 2.0, 3.0]).sum()
+    np.testing.assert_allclose(r.topk_weights[0], p[[1, 3]], rtol=1e-6)
+    r = route_ref(logits, Router(4, 3))
+    assert r.topk_ids.tolist() == [[1, 3, 2]]
+    np.testing.assert_allclose(r.topk_weights[0], p[[1, 3, 2]] / p[[1, 3, 2]].sum(), rtol=1e-6)
+    assert r.expert_offsets.tolist() == [0, 0, 1, 2, 3]
+    assert r.sorted_rows.tolist() == [0, 2, 1] and r.inverse.tolist() == [0, 2, 1]
+    assert r.active_experts.tolist() == [1, 2, 3]
+
+
+def test_nan_ranks_below_minus_inf_and_weighs_zero() -> None:
+    logits = np.array([[np.nan, -np.inf, 0.0, np.nan]], np.float32)
+    r = route_ref(logits, Router(4, 4, renormalize=False))
+    assert r.topk_ids.tolist() == [[2, 1, 0, 3]]
+    assert r.topk_weights.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    r = route_ref(np.full((1, 3), np.nan, np.float32), Router(3, 2))
+    assert r.topk_ids.tolist() == [[0, 1]] and r.topk_weights.tolist() == [[0.0, 0.0]]
+
+
+def test_infinities_share_the_mass() -> None:
+    logits = np.array([[np.inf, 1.0, np.inf, -np.inf]], np.float32)
+    r = route_ref(logits, Router(4, 3, renormalize=False))
+    assert r.topk_ids.tolist() == [[0, 2, 1]]
+    assert r.topk_weights.tolist() == [[0.5, 0.5, 0.0]]
+    r = route_ref(np.full((1, 4), -np.inf, np.float32), Router(4, 2, renormalize=False))
+    assert r.topk_weights.tolist() == [[0.25, 0.25]]
+
+
+def test_topk_softmax_equals_renormalized_softmax_topk(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    a = route_ref(x, Router(32, 4, "topk_softmax"))
+    b = route_ref(x, Router(32, 4, "softmax_topk", renormalize=True))
+    assert_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_array_equal(a.topk_weights, b.topk_weights)
+
+
+def test_selection_is_by_logit_not_rounded_probability() -> None:
+    # two distinct logits whose float32 probabilities round equal: the larger logit still wins
+    x = np.array([[0.0, np.float32(1e-7), -40.0]], np.float32)
+    assert route_ref(x, Router(3, 1)).topk_ids.tolist() == [[1]]
+
+
+def test_sigmoid_grouped_hand_computed() -> None:
+    logits = np.array([[0.0, 2.0, 1.0, -1.0, 3.0, -3.0]], np.float32)
+    bias = np.array([0, 0, 0, 0, 0, 10], np.float32)  # group 2 wins on bias alone
+    router = Router(
+        6,
+        2,
+        "sigmoid_grouped",
+        n_group=3,
+        topk_group=1,
+        correction_bias=bias,
+        routed_scaling_factor=2.0,
+    )
+    r = route_ref(logits, router)
+    assert r.topk_ids.tolist() == [[5, 4]]
+    s = 1 / (1 + np.exp(-np.array([-3.0, 3.0])))
+    np.testing.assert_allclose(r.topk_weights[0], 2.0 * s / s.sum(), rtol=1e-6)
+
+
+def test_sigmoid_f32_is_accurate_and_monotone() -> None:
+    x = np.linspace(-120, 120, 200001).astype(np.float32)
+    s = sigmoid_f32(x)
+    exact = 1 / (1 + np.exp(-x.astype(np.float64)))
+    ulp = np.spacing(exact.astype(np.float32)).astype(np.float64)
+    normal = np.abs(x) <= 88  # below -88.72, exp(-x) overflows float32 and s = 0 by definition
+    assert np.max(np.abs(s - exact)[normal] / ulp[normal]) <= 3
+    assert np.all(np.diff(s) >= 0)
+    assert np.isnan(sigmoid_f32(np.float32(np.nan)))
+    assert sigmoid_f32(np.float32(-1e30)) == 0 and sigmoid_f32(np.float32(1e30)) == 1
+
+
+def test_expert_maps_ref_properties(rng: np.random.Generator) -> None:
+    ids = rng.integers(0, 12, size=(33, 3)).astype(np.int32)  # duplicates within a token too
+    offsets, rows, inverse, active = expert_maps_ref(ids, 12)
+    flat = ids.ravel()
+    assert offsets[0] == 0 and offsets[-1] == flat.size and np.all(np.diff(offsets) >= 0)
+    assert np.array_equal(np.sort(rows), np.arange(flat.size))
+    assert np.array_equal(inverse[rows], np.arange(flat.size))
+    for e in range(12):
+        seg = rows[offsets[e] : offsets[e + 1]]
+        assert np.all(flat[seg] == e) and np.all(np.diff(seg) > 0)  # stable
+    assert active[active >= 0].tolist() == sorted(set(flat.tolist()))
+
+
+def test_empty_batch() -> None:
+    r = route_ref(np.zeros((0, 8), np.float32), Router(8, 2))
+    assert r.topk_ids.shape == (0, 2) and r.expert_offsets.tolist() == [0] * 9
+    assert r.sorted_rows.shape == r.inverse.shape == r.active_experts.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(n_experts=8, top_k=0), ValueError, "top_k"),
+        (dict(n_experts=8, top_k=9), ValueError, "top_k"),
+        (dict(n_experts=8, top_k=2.0), TypeError, "top_k"),
+        (dict(n_experts=8, top_k=2, method="argmax"), ValueError, "routing"),
+        (dict(n_experts=8, top_k=2, n_group=2), ValueError, "n_group"),
+        (dict(n_experts=8, top_k=2, routed_scaling_factor=2.0), ValueError, "routed_scaling"),
+        (dict(n_experts=8, top_k=2, correction_bias=np.zeros(8)), ValueError, "correction_bias"),
+        (dict(n_experts=8, top_k=2, method="sigmoid_grouped", n_group=3), ValueError, "n_group"),
+        (dict(n_experts=8, top_k=2, method="sigmoid_grouped", n_group=8), ValueError, "n_group"),
+        (
+            dict(n_experts=8, top_k=2, method="sigmoid_grouped", n_group=4, topk_group=5),
+            ValueError,
+            "topk_group",
+        ),
+        (
+            dict(n_experts=8, top_k=5, method="sigmoid_grouped", n_group=4, topk_group=2),
+            ValueError,
+            "topk_group",
+        ),
+        (
+            dict(n_experts=8, top_k=2, method="sigmoid_grouped", correction_bias=np.zeros(7)),
+            ValueError,
+            "correction_bias",
+        ),
+        (
+            dict(
+                n_experts=8,
+                top_k=2,
+                method="sigmoid_grouped",
+                correction_bias=np.array([np.nan] * 8),
+            ),
+            ValueError,
+            "correction_bias",
+        ),
+        (
+            dict(n_experts=8, top_k=2, method="sigmoid_grouped", routed_scaling_factor=-1.0),
+            ValueError,
+            "routed_scaling",
+        ),
+    ],
+)
+def test_router_validation(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        Router(**kwargs)
+
+
+def test_route_ref_validation() -> None:
+    router = Router(8, 2)
+    with pytest.raises(ValueError, match="logits"):
+        route_ref(np.zeros((2, 7), np.float32), router)
+    with pytest.raises(TypeError, match="logits"):
+        route_ref(np.zeros((2, 8), np.int32), router)
+    with pytest.raises(ValueError, match="topk_ids"):
+        expert_maps_ref(np.array([[0, 8]], np.int32), 8)
+
+
+def test_method_parse() -> None:
+    assert RoutingMethod.parse("TopK_Softmax") is RoutingMethod.TOPK_SOFTMAX
+    assert Router(4, 1, "sigmoid_grouped").n_group == 1
+
+
+# ---- GPU against the reference ------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    e: int
+    k: int
+    m: int
+    method: RoutingMethod
+    dtype: type
+
+
+def _cases() -> list[Case]:
+    # E spans the warp path (<= 256), the block path (384, 1024) and a non-power-of-two (60);
+    # M * k spans the fused launch (<= 64), the one-block maps and the tiled maps (1000 * 8).
+    out = []
+    dtypes = (np.float32, BF16, np.float16)
+    for i, (e, k, m) in enumerate(
+        itertools.product(
+            (8, 32, 60, 128, 256, 384, 1024), (1, 2, 4, 6, 8, 16), (1, 2, 4, 8, 33, 64, 1000)
+        )
+    ):
+        if k <= e:
+            out.append(Case(e, k, m, METHODS[i % 3], dtypes[(i // 3) % 3]))
+    return out
+
+
+def _device(a: np.ndarray):
+    cupy = pytest.importorskip("cupy")
+    try:
+        return cupy.asarray(a)
+    except Exception as error:  # a CuPy without bfloat16 support
+        pytest.skip(f"cupy cannot hold {a.dtype}: {error}")
+
+
+def _check_routing(ref: Routing, out: Routing) -> None:
+    assert_equal(ref.topk_ids, out.topk_ids, name="topk_ids")
+    assert_close(
+        ref.topk_weights, out.topk_weights, max_rel=2e-6, rms_rel=1e-6, name="topk_weights"
+    )
+    for name in ("expert_offsets", "sorted_rows", "inverse", "active_experts"):
+        assert_equal(getattr(ref, name), getattr(out, name), name=name)
+
+
+def _poisoned(m: int, e: int, k: int) -> Routing:
+    out = Routing.empty(m, e, k)
+    for a in (out.topk_ids, out.expert_offsets, out.sorted_rows, out.inverse, out.active_experts):
+        a.fill(-7)
+    out.topk_weights.fill(np.nan)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _cases(), ids=str)
+def test_route_matches_reference(case: Case, rng: np.random.Generator) -> None:
+    router = _router(case.method, case.e, case.k, renormalize=case.e % 3 != 0)
+    x = _logits("random", case.m, case.e, case.dtype, rng)
+    out = route(_device(x), router, out=_poisoned(case.m, case.e, case.k))
+    _check_routing(route_ref(x, router), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ties", "equal", "inf", "nan"])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("e", "k", "m"), [(60, 6, 4), (256, 8, 8), (256, 8, 64), (1024, 16, 5)])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_route_edge_values(
+    kind: str, method: RoutingMethod, e: int, k: int, m: int, dtype: type, rng: np.random.Generator
+) -> None:
+    for renormalize in (True, False):
+        router = _router(method, e, k, renormalize=renormalize)
+        x = _logits(kind, m, e, dtype, rng)
+        _check_routing(route_ref(x, router), route(_device(x), router))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [0, 1, 4, 200])
+def test_route_deterministic_and_strided(m: int, rng: np.random.Generator) -> None:
+    router = _router(RoutingMethod.SIGMOID_GROUPED, 256, 8)
+    x = _logits("random", m, 300, np.float32, rng)
+    xd = _device(x)[:, :256]  # strided rows
+    first = route(xd, router)
+    _check_routing(route_ref(np.ascontiguousarray(x[:, :256]), router), first)
+    for _ in range(3):
+        again = route(xd, router)
+        for name in ("topk_ids", "topk_weights", "expert_offsets", "sorted_rows", "inverse"):
+            assert np.array_equal(
+                getattr(first, name).get().view(np.int32), getattr(again, name).get().view(np.int32)
+            )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "e", "k"), [(4, 256, 8), (64, 128, 4), (300, 256, 8), (3, 512, 8)])
+def test_route_cuda_graph(m: int, e: int, k: int, rng: np.random.Generator) -> None:
+    cupy = pytest.importorskip("cupy")
+    router = _router(RoutingMethod.SOFTMAX_TOPK, e, k)
+    x = _logits("random", m, e, BF16, rng)
+    xd = _device(x)
+    out = Routing.empty(m + 5, e, k).prefix(m)
+    route(xd, router, out=out)  # warm-up: compile outside the capture
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        route(xd, router, out=out)
+        graph = stream.end_capture()
+    for a in (out.topk_ids, out.sorted_rows, out.inverse):
+        a.fill(-1)
+    x2 = _logits("ties", m, e, BF16, rng)
+    xd[...] = _device(x2)
+    graph.launch(stream)
+    stream.synchronize()
+    _check_routing(route_ref(x2, router), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "k", "e"),
+    [(1, 1, 1), (3, 5, 7), (64, 8, 256), (700, 4, 1024), (3000, 8, 256), (2100, 1, 64)],
+)
+def test_expert_maps_matches_reference(m: int, k: int, e: int, rng: np.random.Generator) -> None:
+    ids = rng.integers(0, e, size=(m, k)).astype(np.int32)  # duplicates within tokens allowed
+    got = expert_maps(_device(ids), e)
+    for name, r, o in zip(
+        ("offsets", "sorted_rows", "inverse", "active"), expert_maps_ref(ids, e), got, strict=True
+    ):
+        assert_equal(r, o, name=name)
+
+
+@pytest.mark.gpu
+def test_route_validation_before_launch() -> None:
+    cupy = pytest.importorskip("cupy")
+    router = Router(8, 2)
+    with pytest.raises(TypeError, match="logits"):
+        route(np.zeros((2, 8), np.float32), router)
+    with pytest.raises(TypeError, match="logits"):
+        route(cupy.zeros((2, 8), np.float64), router)
+    with pytest.raises(ValueError, match="logits"):
+        route(cupy.zeros((2, 9), np.float32), router)
+    with pytest.raises(ValueError, match="out.topk_ids"):
+        route(cupy.zeros((2, 8), np.float32), router, out=Routing.empty(3, 8, 2))
+    with pytest.raises(ValueError, match="n_experts"):
+        route(cupy.zeros((1, 4096), np.float32), Router(4096, 2))
