@@ -18,6 +18,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .checkpoint import Checkpoint, CheckpointNaming, load_experts, save_experts
 from .formats import Fp4Experts, Fp4Format, MxScaleRule
 from .gemv import Activation
 from .moe import Fc1Layout, MoELayer, moe_reference
@@ -27,6 +28,8 @@ from .routing import Router, Routing, RoutingMethod
 __all__ = [
     "PRESETS",
     "Activation",
+    "Checkpoint",
+    "CheckpointNaming",
     "Fc1Layout",
     "Fp4Experts",
     "Fp4Format",
@@ -36,6 +39,8 @@ __all__ = [
     "Routing",
     "RoutingMethod",
     "__version__",
+    "load_experts",
     "moe_reference",
     "random_fp4_experts",
+    "save_experts",
 ]

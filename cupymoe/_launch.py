@@ -23,7 +23,7 @@ _SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float6
 def _check_args(spec: KernelSpec, args: Sequence[Any]) -> None:
     cupy = require_cupy()
     for i, a in enumerate(args):
-        if a is None or isinstance(a, cupy.ndarray | _SCALAR_TYPES):
+        if a is None or isinstance(a, (cupy.ndarray, *_SCALAR_TYPES)):
             continue
         raise TypeError(
             f"{spec.name}: argument {i} must be a cupy.ndarray or an exact NumPy scalar "

@@ -75,6 +75,35 @@ def _shape_from_options(
     return shape
 
 
+def _checkpoint_layer(
+    path: str, layer: int, naming: str, preset: str | None, top_k: int | None
+) -> tuple[LayerShape, dict[str, Any]]:
+    """Weights from a checkpoint; routing and activation from ``--preset`` (weights lack them)."""
+    import dataclasses
+
+    from .checkpoint import load_experts
+
+    try:
+        weights = load_experts(path, layer=layer, naming=naming)
+    except (ValueError, KeyError, OSError) as error:
+        raise click.ClickException(str(error)) from error
+    down = weights["fc2"]
+    base = PRESETS[preset] if preset else LayerShape("checkpoint", 0, 0, 0, 8, "nvfp4")
+    shape = dataclasses.replace(
+        base,
+        name=f"{path}:{layer}",
+        hidden=down.n,
+        intermediate=down.k,
+        n_experts=down.n_experts,
+        format=down.format.value,
+        top_k=top_k if top_k is not None else min(base.top_k, down.n_experts),
+    )
+    kwargs = {**shape.layer_kwargs(), **weights}
+    if shape.routing == "sigmoid_grouped":
+        kwargs["correction_bias"] = np.zeros(shape.n_experts, np.float32)
+    return shape, kwargs
+
+
 def _median_time(fn: Any, repeats: int, sync: Any) -> float:
     times = []
     for _ in range(repeats):
@@ -108,6 +137,26 @@ _preset_option = click.option(
 @click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option(
+    "--checkpoint",
+    type=click.Path(exists=True),
+    help="safetensors file, index or directory (ModelOpt NVFP4 / gpt-oss MXFP4 naming)",
+)
+@click.option(
+    "--layer",
+    "layer_index",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="layer to load from --checkpoint",
+)
+@click.option(
+    "--naming",
+    type=click.Choice(["auto", "modelopt", "compressed-tensors", "gpt-oss"]),
+    default="auto",
+    show_default=True,
+    help="tensor naming of --checkpoint",
+)
 def run(
     preset: str | None,
     hidden: int | None,
@@ -119,16 +168,26 @@ def run(
     dtype: str,
     seed: int,
     repeats: int,
+    checkpoint: str | None,
+    layer_index: int,
+    naming: str,
 ) -> None:
-    """Run one MoE layer on random weights; print the error against the reference and timings."""
+    """Run one MoE layer on random (or loaded) weights; print the error against the reference
+    and timings."""
     from .moe import MoELayer, moe_reference
     from .testing import relative_errors
 
-    shape = _shape_from_options(preset, hidden, inter, experts, top_k, fmt)
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
+    if checkpoint is not None:
+        shape, kwargs = _checkpoint_layer(checkpoint, layer_index, naming, preset, top_k)
+    else:
+        shape = _shape_from_options(preset, hidden, inter, experts, top_k, fmt)
     try:
-        layer = MoELayer(**random_layer(shape, rng, max_tokens=max(tokens, 1)))
+        if checkpoint is None:
+            kwargs = random_layer(shape, rng)
+        kwargs["max_tokens"] = max(tokens, 1)
+        layer = MoELayer(**kwargs)
     except (ValueError, TypeError) as error:
         raise click.ClickException(str(error)) from error
     made = time.perf_counter() - t0
@@ -136,7 +195,8 @@ def run(
     logits = rng.standard_normal((tokens, shape.n_experts)).astype(np.float32)
     click.echo(f"layer   {layer!r}")
     click.echo(
-        f"weights {layer.weight_nbytes / 2**20:.1f} MiB (random, made in {made:.1f} s); "
+        f"weights {layer.weight_nbytes / 2**20:.1f} MiB "
+        f"({'loaded' if checkpoint else 'random, made'} in {made:.1f} s); "
         f"x [{tokens}, {shape.hidden}] {dtype}"
     )
     ref = moe_reference(x, logits, layer)

@@ -85,7 +85,7 @@ def _bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
     from ._backend import to_numpy
 
     b = to_numpy(value)
-    if b.dtype.kind != "f":
+    if b.dtype.kind != "f" and b.dtype != np.dtype(ml_dtypes.bfloat16):
         raise TypeError(f"{name}: expected a floating-point array, got dtype {b.dtype}")
     if b.shape != shape:
         raise ValueError(f"{name}: expected shape {shape}, got {b.shape}")

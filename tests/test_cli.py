@@ -35,22 +35,63 @@ def test_run_readme_command() -> None:
 
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "deepseek-v3"])
 def test_run_presets_with_fewer_experts(preset: str) -> None:
-    code, out = _run("run", "--preset", preset, "--experts", "32", "--tokens", "2",
-                     "--repeats", "1", "--dtype", "fp16")
+    code, out = _run(
+        "run",
+        "--preset",
+        preset,
+        "--experts",
+        "32",
+        "--tokens",
+        "2",
+        "--repeats",
+        "1",
+        "--dtype",
+        "fp16",
+    )
     assert code == 0, out
     assert "experts=32" in out and _error(out) < 2e-2
 
 
 def test_run_explicit_shape() -> None:
-    code, out = _run("run", "--hidden", "256", "--inter", "128", "--experts", "8", "--top-k", "2",
-                     "--format", "mxfp4", "--tokens", "3", "--seed", "7", "--repeats", "1")
+    code, out = _run(
+        "run",
+        "--hidden",
+        "256",
+        "--inter",
+        "128",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--format",
+        "mxfp4",
+        "--tokens",
+        "3",
+        "--seed",
+        "7",
+        "--repeats",
+        "1",
+    )
     assert code == 0, out
     assert "hidden=256" in out and "mxfp4" in out
 
 
 def test_run_zero_tokens() -> None:
-    code, out = _run("run", "--hidden", "64", "--inter", "32", "--experts", "4", "--top-k", "1",
-                     "--tokens", "0", "--repeats", "1")
+    code, out = _run(
+        "run",
+        "--hidden",
+        "64",
+        "--inter",
+        "32",
+        "--experts",
+        "4",
+        "--top-k",
+        "1",
+        "--tokens",
+        "0",
+        "--repeats",
+        "1",
+    )
     assert code == 0, out
 
 
@@ -76,8 +117,9 @@ def test_bad_options_exit_2(args: list[str], match: str) -> None:
 
 def test_bad_shape_is_a_clear_error() -> None:
     # K = 40 is not a multiple of the NVFP4 block (16): the library's ValueError, exit code 1.
-    code, out = _run("run", "--hidden", "40", "--inter", "32", "--experts", "4", "--top-k", "1",
-                     "--repeats", "1")
+    code, out = _run(
+        "run", "--hidden", "40", "--inter", "32", "--experts", "4", "--top-k", "1", "--repeats", "1"
+    )
     assert code == 1, out
     assert "Error:" in out and "16" in out
 
@@ -87,3 +129,40 @@ def test_info() -> None:
     assert code == 0, out
     for word in ("cupymoe", "numpy", "cupy", "tuning", "CUPYMOE_LINEINFO"):
         assert word in out
+
+
+@pytest.mark.parametrize("naming", ["modelopt", "gpt-oss"])
+def test_run_checkpoint(tmp_path, naming: str) -> None:
+    import numpy as np
+
+    import cupymoe as cm
+
+    rng = np.random.default_rng(3)
+    e, h, i = 4, 64, 32
+    fmt = "nvfp4" if naming == "modelopt" else "mxfp4"
+    if naming == "modelopt":
+        fc1 = (cm.random_fp4_experts(rng, e, i, h, fmt), cm.random_fp4_experts(rng, e, i, h, fmt))
+    else:
+        fc1 = cm.random_fp4_experts(rng, e, 2 * i, h, fmt)
+    path = tmp_path / "model.safetensors"
+    cm.save_experts(
+        path, layer=3, naming=naming, fc1=fc1, fc2=cm.random_fp4_experts(rng, e, h, i, fmt)
+    )
+    code, out = _run(
+        "run",
+        "--checkpoint",
+        str(path),
+        "--layer",
+        "3",
+        "--top-k",
+        "2",
+        "--tokens",
+        "2",
+        "--repeats",
+        "1",
+    )
+    assert code == 0, out
+    assert "loaded" in out and f"experts={e}" in out and f"hidden={h}" in out
+    assert _error(out) < 2e-2
+    code, out = _run("run", "--checkpoint", str(path), "--layer", "0", "--top-k", "2")
+    assert code == 1 and "Error:" in out and "layers" in out  # names the layers that exist

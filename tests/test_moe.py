@@ -55,7 +55,9 @@ def test_reference_matches_plain_loop(rng: np.random.Generator) -> None:
     logits = rng.standard_normal((5, 4)).astype(np.float32)
     ref = cm.moe_reference(x, logits, layer)
     assert ref.dtype == np.float64 and ref.shape == (5, 64)
-    np.testing.assert_allclose(ref, _loop_reference(x, logits, layer), rtol=1e-12, atol=1e-12)
+    # route_ref's weights are float32 (the contract), the loop's float64: 1e-6 relative.
+    loop = _loop_reference(x, logits, layer)
+    np.testing.assert_allclose(ref, loop, rtol=1e-5, atol=1e-6 * np.abs(loop).max())
 
 
 def test_empty_batch(rng: np.random.Generator) -> None:
@@ -79,7 +81,7 @@ def _fc1_single(gate: cm.Fp4Experts, up: cm.Fp4Experts, layout: str) -> cm.Fp4Ex
 
 @pytest.mark.parametrize("layout", ["concatenated", "interleaved"])
 def test_fc1_layouts_and_bias_order(rng: np.random.Generator, layout: str) -> None:
-    e, h, i = 3, 32, 16
+    e, h, i = 3, 64, 32  # K = 32 is the smallest MXFP4 block
     gate = random_fp4_experts(rng, e, i, h, "mxfp4")
     up = random_fp4_experts(rng, e, i, h, "mxfp4")
     down = random_fp4_experts(rng, e, h, i, "mxfp4")

@@ -1,0 +1,639 @@
+# SPDX-License-Identifier: Apache-2.0
+"""FP4 expert GEMV for decode: FC1 with the gated activation fused, and FC2.
+
+``fc2(h)[r] = h[r] @ W[e]^T + b[e]`` and
+``fc1(x)[r] = act(x[t] @ Wg[e]^T + bg[e], x[t] @ Wu[e]^T + bu[e])`` for every expanded row ``r``
+of expert ``e`` (``expert_offsets[e] <= r < expert_offsets[e + 1]``) with
+``t = sorted_rows[r] // top_k``.
+
+The kernels (``cuda/gemv_fp4.cu``) are expert-major: one block per (column tile, active expert)
+applies each decoded weight tile to all rows of its expert, so an expert's weights are read once
+per call. FC1 reads ``x`` in token order through ``sorted_rows`` (no expand launch). Above the row
+window (:data:`~cupymoe.config.ROW_WINDOW` expanded rows) the calls go to
+:mod:`cupymoe.batched` (dequantize + cuBLAS, not capturable).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from ._backend import is_cupy_array, require_cupy, to_numpy
+from ._compile import KernelSpec
+from ._launch import launch
+from .config import CHUNK, ROW_WINDOW, TILINGS, GemvConfig
+from .dequant import DeviceFp4
+from .formats import Fp4Experts, Fp4Format
+
+# fmt: off
+__all__ = [
+    "ROW_WINDOW", "Activation", "ActivationSpec", "PreparedFc1", "PreparedFc2", "activation_ref",
+    "fc1", "fc1_ref", "fc2", "gemv_ref", "kernel_specs", "prepare_fc1", "prepare_fc2",
+]
+# fmt: on
+
+_CTYPES = {np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16", np.dtype(np.float16): "__half"}
+_FORMAT_CODE = {Fp4Format.NVFP4: 0, Fp4Format.MXFP4: 1}
+
+
+class Activation(enum.Enum):
+    """Gated activation of FC1: ``h = act(gate, up)``, computed in fp32 in the GEMV epilogue."""
+
+    #: ``silu(gate) * up`` (Qwen, DeepSeek, Mixtral).
+    SWIGLU = "swiglu"
+    #: ``gelu(gate) * up`` with the exact (erf) GELU.
+    GEGLU = "geglu"
+    #: gpt-oss: ``g * sigmoid(alpha * g) * (u + 1)``, ``g = min(gate, limit)``,
+    #: ``u = clip(up, -limit, limit)``.
+    SWIGLU_OAI = "swiglu_oai"
+
+    @classmethod
+    def parse(cls, value: str | Activation, name: str = "activation") -> Activation:
+        """``Activation`` from a member or its value (case-insensitive)."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{name}: expected one of {names}, got {value!r}") from None
+
+
+_ACT_CODE = {Activation.SWIGLU: 1, Activation.GEGLU: 2, Activation.SWIGLU_OAI: 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSpec:
+    """An activation and its parameters (``alpha`` and ``limit`` are used by swiglu_oai only)."""
+
+    kind: Activation
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Activation.parse(self.kind, "kind"))
+        for name in ("alpha", "limit"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
+                raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+            object.__setattr__(self, name, float(value))
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"alpha: expected a finite float, got {self.alpha}")
+        if not self.limit > 0:  # +inf is allowed: no clamping
+            raise ValueError(f"limit: expected > 0 (inf for no clamping), got {self.limit}")
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(z))  # never overflows
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def activation_ref(gate: Any, up: Any, act: ActivationSpec) -> np.ndarray:
+    """``act(gate, up)`` in float64 (the formulas of :class:`Activation`).
+
+    >>> activation_ref(np.array([0.0, 100.0]), np.array([3.0, 2.0]), ActivationSpec("swiglu"))
+    array([  0., 200.])
+    """
+    if not isinstance(act, ActivationSpec):
+        raise TypeError(f"act: expected an ActivationSpec, got {type(act).__name__}")
+    g = np.asarray(to_numpy(gate), dtype=np.float64)
+    u = np.asarray(to_numpy(up), dtype=np.float64)
+    if g.shape != u.shape:
+        raise ValueError(f"up: expected the shape of gate {g.shape}, got {u.shape}")
+    if act.kind is Activation.SWIGLU:
+        return g * _sigmoid(g) * u
+    if act.kind is Activation.GEGLU:
+        return 0.5 * g * (1.0 + np.asarray(_erf(g / math.sqrt(2.0)), dtype=np.float64)) * u
+    g = np.minimum(g, act.limit)
+    u = np.clip(u, -act.limit, act.limit)
+    return g * _sigmoid(act.alpha * g) * (u + 1.0)
+
+
+# ---- references ------------------------------------------------------------------------------
+def _host_offsets(expert_offsets: Any, n_experts: int, rows: int) -> np.ndarray:
+    off = np.asarray(to_numpy(expert_offsets))
+    if off.shape != (n_experts + 1,) or off.dtype.kind not in "iu":
+        raise ValueError(
+            f"expert_offsets: expected integers of shape {(n_experts + 1,)}, got "
+            f"{off.dtype} {off.shape}"
+        )
+    off = off.astype(np.int64)
+    if off[0] != 0 or off[-1] != rows or np.any(np.diff(off) < 0):
+        raise ValueError(
+            f"expert_offsets: expected non-decreasing offsets from 0 to {rows} rows, "
+            f"got {off.tolist()[:4]}... ending at {int(off[-1])}"
+        )
+    return off
+
+
+def _expert_f64(w: Fp4Experts, e: int) -> np.ndarray:
+    """Exact float64 ``[N, K]`` of expert ``e`` (one expert at a time: bounded memory)."""
+    from .formats import decode_e2m1, unpack_fp4
+
+    values = decode_e2m1(unpack_fp4(w.packed[e])).astype(np.float64)
+    scales = w.format.decode_scales(w.scales[e]).astype(np.float64)
+    values = values.reshape(w.n, -1, w.block_size) * scales[..., None]
+    return values.reshape(w.n, w.k) * float(w.global_scale[e])
+
+
+def _check_bias_ref(bias: Any, name: str, w: Fp4Experts) -> np.ndarray | None:
+    if bias is None:
+        return None
+    b = np.asarray(to_numpy(bias), dtype=np.float64)
+    if b.shape != (w.n_experts, w.n):
+        raise ValueError(f"{name}: expected shape {(w.n_experts, w.n)}, got {b.shape}")
+    return b
+
+
+def gemv_ref(
+    x_sorted: Any, weights: Fp4Experts, expert_offsets: Any, *, bias: Any = None
+) -> np.ndarray:
+    """``out[r] = x_sorted[r] @ W[e]^T (+ bias[e])`` for the rows ``r`` of each expert ``e``.
+
+    Parameters
+    ----------
+    x_sorted : array [R, K]
+        Activations in expanded order (any float dtype; widened to float64).
+    weights : Fp4Experts
+        ``[E, N, K]``.
+    expert_offsets : int array [E + 1]
+        Rows ``offsets[e]:offsets[e+1]`` belong to expert ``e``.
+    bias : array [E, N], optional
+
+    Returns
+    -------
+    numpy.ndarray
+        float64 ``[R, N]``; exact weights, float64 math.
+    """
+    if not isinstance(weights, Fp4Experts):
+        raise TypeError(f"weights: expected Fp4Experts, got {type(weights).__name__}")
+    x = np.asarray(to_numpy(x_sorted)).astype(np.float64)
+    if x.ndim != 2 or x.shape[1] != weights.k:
+        raise ValueError(f"x_sorted: expected shape (rows, {weights.k}), got {x.shape}")
+    off = _host_offsets(expert_offsets, weights.n_experts, x.shape[0])
+    b = _check_bias_ref(bias, "bias", weights)
+    out = np.zeros((x.shape[0], weights.n), dtype=np.float64)
+    for e in np.flatnonzero(np.diff(off)):
+        lo, hi = int(off[e]), int(off[e + 1])
+        out[lo:hi] = x[lo:hi] @ _expert_f64(weights, int(e)).T
+        if b is not None:
+            out[lo:hi] += b[e]
+    return out
+
+
+def fc1_ref(
+    x_sorted: Any,
+    gate: Fp4Experts,
+    up: Fp4Experts,
+    expert_offsets: Any,
+    *,
+    act: ActivationSpec,
+    gate_bias: Any = None,
+    up_bias: Any = None,
+) -> np.ndarray:
+    """``act(gemv_ref(x, gate) + gate_bias, gemv_ref(x, up) + up_bias)``: float64 ``[R, I]``."""
+    if not isinstance(up, Fp4Experts) or not isinstance(gate, Fp4Experts):
+        raise TypeError("gate, up: expected Fp4Experts")
+    if (up.n_experts, up.n, up.k) != (gate.n_experts, gate.n, gate.k):
+        raise ValueError(
+            f"up: expected the shape of gate {(gate.n_experts, gate.n, gate.k)}, "
+            f"got {(up.n_experts, up.n, up.k)}"
+        )
+    g = gemv_ref(x_sorted, gate, expert_offsets, bias=gate_bias)
+    u = gemv_ref(x_sorted, up, expert_offsets, bias=up_bias)
+    return activation_ref(g, u, act)
+
+
+# ---- prepared device layouts -------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PreparedFc1:
+    """FC1 weights on the GPU: plain :class:`DeviceFp4` (for the batched path) + kernel layouts.
+
+    ``kernel_gate`` / ``kernel_up`` are ``[E, I, chunks * 16]`` uint8: the plain packed arrays
+    themselves when ``H % 32 == 0``, else copies zero-padded along K to a multiple of 32 codes.
+    ``kernel_scales[e, t, c, j, s]`` (uint8 ``[E, ceil(I / 2), chunks, 4 * 32 / block]``) holds the
+    scale bytes of chunk ``c`` for the group of columns ``2t, 2t+1`` in the order gate 2t, gate
+    2t+1, up 2t, up 2t+1 (block ``s`` of the chunk innermost): one 8- or 4-byte load per lane.
+    """
+
+    gate: DeviceFp4
+    up: DeviceFp4
+    kernel_gate: Any
+    kernel_up: Any
+    kernel_scales: Any
+    gate_bias: Any = None  # cupy float32 [E, I] or None (set together with up_bias)
+    up_bias: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedFc2:
+    """FC2 weights on the GPU: the plain :class:`DeviceFp4` + kernel layouts.
+
+    ``kernel_scales[e, t, c, j, s]`` (uint8 ``[E, ceil(H / 4), chunks, 4 * 32 / block]``) holds the
+    scale bytes of chunk ``c`` for rows ``4t .. 4t+3``; see :class:`PreparedFc1`.
+    """
+
+    down: DeviceFp4
+    kernel_packed: Any
+    kernel_scales: Any
+    bias: Any = None  # cupy float32 [E, H] or None
+
+
+def _device(w: Fp4Experts | DeviceFp4, name: str, pair_interleaved: bool) -> DeviceFp4:
+    if isinstance(w, DeviceFp4):
+        if w.pair_interleaved != pair_interleaved:
+            raise ValueError(
+                f"{name}: expected pair_interleaved={pair_interleaved}, got {w.pair_interleaved}"
+            )
+    elif not isinstance(w, Fp4Experts):
+        raise TypeError(f"{name}: expected Fp4Experts or DeviceFp4, got {type(w).__name__}")
+    else:
+        w = DeviceFp4.from_experts(w, pair_interleaved=pair_interleaved)
+    if w.packed.data.ptr % 16:  # the kernels load 16 bytes at a time
+        raise ValueError(f"{name}.packed: expected a 16-byte aligned array")
+    return w
+
+
+def _chunks(k: int) -> int:
+    return -(-k // CHUNK)
+
+
+def _xp(a: Any) -> Any:
+    return np if isinstance(a, np.ndarray) else require_cupy()
+
+
+def pad_packed(packed: Any, k: int) -> Any:
+    """``packed [E, N, K/2]`` zero-padded along K to whole 32-code chunks (itself when aligned).
+
+    Works on NumPy or CuPy arrays (the CPU tests check the kernel layouts through it).
+    """
+    pad = _chunks(k) * CHUNK // 2 - packed.shape[2]
+    if pad == 0:
+        return packed
+    xp = _xp(packed)
+    return xp.ascontiguousarray(xp.pad(packed, ((0, 0), (0, 0), (0, pad))))
+
+
+def tile_scales(scales: list[Any], k: int, block: int, rows_per_mat: int) -> Any:
+    """Scale bytes ``[E, N, K/block]`` of each matrix re-tiled for the kernel.
+
+    Result ``[E, tiles, chunks, len(scales) * rows_per_mat * 32 / block]`` with
+    ``tiles = ceil(N / rows_per_mat)``: for tile ``t`` and chunk ``c``, the bytes of matrix ``m``,
+    row ``rows_per_mat * t + j``, block ``s`` of the chunk sit at ``(m * rows_per_mat + j) * 32 /
+    block + s`` (zero past N and past K). NumPy or CuPy in, same kind out.
+    """
+    xp = _xp(scales[0])
+    n_experts, n = scales[0].shape[:2]
+    per_chunk = CHUNK // block
+    chunks = _chunks(k)
+    tiles = -(-n // rows_per_mat)
+    parts = []
+    for s in scales:
+        z = xp.zeros((n_experts, tiles * rows_per_mat, chunks * per_chunk), dtype=xp.uint8)
+        z[:, :n, : s.shape[2]] = s
+        z = z.reshape(n_experts, tiles, rows_per_mat, chunks, per_chunk)
+        parts.append(z.transpose(0, 1, 3, 2, 4))  # [E, tiles, chunks, rows, blocks]
+    tiled = xp.stack(parts, axis=3)  # [E, tiles, chunks, mats, rows, blocks]
+    return xp.ascontiguousarray(tiled).reshape(n_experts, tiles, chunks, -1)
+
+
+def _device_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
+    cupy = require_cupy()
+    b = np.asarray(to_numpy(bias))
+    if b.shape != (n_experts, n):
+        raise ValueError(f"{name}: expected shape {(n_experts, n)}, got {b.shape}")
+    if b.dtype.kind != "f" and b.dtype != np.dtype(ml_dtypes.bfloat16):
+        raise TypeError(f"{name}: expected a float array, got dtype {b.dtype}")
+    return cupy.ascontiguousarray(cupy.asarray(b.astype(np.float32)))
+
+
+def prepare_fc1(
+    gate: Fp4Experts | DeviceFp4,
+    up: Fp4Experts | DeviceFp4,
+    *,
+    gate_bias: Any = None,
+    up_bias: Any = None,
+    pair_interleaved: bool = False,
+) -> PreparedFc1:
+    """Upload FC1 (gate ``[E, I, H]`` and up ``[E, I, H]``) and build the kernel layouts once.
+
+    A bias given for only one of gate / up gets a zero bias for the other.
+    """
+    g = _device(gate, "gate", pair_interleaved)
+    u = _device(up, "up", pair_interleaved)
+    if (u.format, u.n_experts, u.n, u.k) != (g.format, g.n_experts, g.n, g.k):
+        raise ValueError(
+            f"up: expected the format and shape of gate {(g.format.value, g.n_experts, g.n, g.k)}, "
+            f"got {(u.format.value, u.n_experts, u.n, u.k)}"
+        )
+    biases = [gate_bias, up_bias]
+    if any(b is not None for b in biases):
+        biases = [np.zeros((g.n_experts, g.n), np.float32) if b is None else b for b in biases]
+        biases = [
+            _device_bias(b, name, g.n_experts, g.n)
+            for b, name in zip(biases, ("gate_bias", "up_bias"), strict=True)
+        ]
+    scales = tile_scales([g.scales, u.scales], g.k, g.block_size, 2)
+    return PreparedFc1(g, u, pad_packed(g.packed, g.k), pad_packed(u.packed, u.k), scales, *biases)
+
+
+def prepare_fc2(
+    down: Fp4Experts | DeviceFp4, *, bias: Any = None, pair_interleaved: bool = False
+) -> PreparedFc2:
+    """Upload FC2 (down ``[E, H, I]``) and build the kernel layouts once."""
+    d = _device(down, "down", pair_interleaved)
+    b = None if bias is None else _device_bias(bias, "bias", d.n_experts, d.n)
+    return PreparedFc2(
+        d, pad_packed(d.packed, d.k), tile_scales([d.scales], d.k, d.block_size, 4), b
+    )
+
+
+# ---- GPU ops -----------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _device_name(device_id: int) -> str:
+    from .tune import device_name
+
+    return device_name()
+
+
+def _check_activations(a: Any, name: str, rows: int, width: int) -> np.dtype:
+    if not is_cupy_array(a):
+        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
+    if a.dtype not in _CTYPES:
+        raise TypeError(f"{name}: expected dtype bfloat16 or float16, got {a.dtype}")
+    if a.shape != (rows, width):
+        raise ValueError(f"{name}: expected shape {(rows, width)}, got {a.shape}")
+    if not a.flags.c_contiguous or a.data.ptr % 16:
+        raise ValueError(f"{name}: expected a C-contiguous, 16-byte aligned array")
+    return np.dtype(a.dtype)
+
+
+def _check_routing(routing: Any, n_tokens: int | None, n_experts: int) -> tuple[int, int]:
+    """``(n_tokens, top_k)`` after checking the routing arrays' shapes and dtypes (no host read)."""
+    ids = routing.topk_ids
+    if ids.ndim != 2 or (n_tokens is not None and ids.shape[0] != n_tokens):
+        raise ValueError(
+            f"routing.topk_ids: expected shape ({n_tokens}, top_k), got {tuple(ids.shape)}"
+        )
+    m, top_k = int(ids.shape[0]), int(ids.shape[1])
+    rows = m * top_k
+    expect = {
+        "expert_offsets": (n_experts + 1,),
+        "sorted_rows": (rows,),
+        "active_experts": (min(rows, n_experts),),
+    }
+    for field, shape in expect.items():
+        a = getattr(routing, field)
+        if not is_cupy_array(a) or a.dtype != np.int32 or a.shape != shape:
+            raise ValueError(
+                f"routing.{field}: expected a cupy int32 array of shape {shape}, got "
+                f"{type(a).__name__} {getattr(a, 'dtype', '')} {tuple(getattr(a, 'shape', ()))}"
+            )
+    return m, top_k
+
+
+def _check_out(out: Any, rows: int, n: int, dtype: np.dtype) -> Any:
+    cupy = require_cupy()
+    if out is None:
+        return cupy.empty((rows, n), dtype=dtype)
+    if not is_cupy_array(out) or out.dtype != dtype or out.shape != (rows, n):
+        raise ValueError(
+            f"out: expected a cupy {dtype.name} array of shape {(rows, n)}, got "
+            f"{type(out).__name__} {getattr(out, 'dtype', '')} {tuple(getattr(out, 'shape', ()))}"
+        )
+    if not out.flags.c_contiguous:
+        raise ValueError("out: expected a C-contiguous array")
+    return out
+
+
+def _config(config: GemvConfig | None, w: DeviceFp4, rows: int, dtype: np.dtype) -> GemvConfig:
+    if config is None:
+        name = _device_name(require_cupy().cuda.Device().id)
+        return GemvConfig.for_problem(
+            n=w.n, k=w.k, rows=rows, fmt=w.format, device_name=name, dtype=dtype
+        )
+    if not isinstance(config, GemvConfig):
+        raise TypeError(f"config: expected a GemvConfig, got {type(config).__name__}")
+    return config
+
+
+def fc1(
+    x: Any,
+    weights: PreparedFc1,
+    routing: Any,
+    *,
+    act: ActivationSpec,
+    out: Any = None,
+    config: GemvConfig | None = None,
+    row_window: int = ROW_WINDOW,
+) -> Any:
+    """FC1 GEMV with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
+
+    Parameters
+    ----------
+    x : cupy.ndarray
+        ``[n_tokens, hidden]`` bf16 or fp16, token order (read through ``routing.sorted_rows``).
+    weights : PreparedFc1
+    routing : Routing
+        CuPy routing arrays (int32).
+    act : ActivationSpec
+    out : cupy.ndarray, optional
+        ``[n_tokens * top_k, intermediate]`` of ``x.dtype``.
+    config : GemvConfig, optional
+        Tiling; default :meth:`GemvConfig.for_problem`.
+    row_window : int
+        Above this many expanded rows, :func:`cupymoe.batched.fc1_batched` runs instead.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``h [n_tokens * top_k, intermediate]`` in expanded order, dtype of ``x``.
+
+    Notes
+    -----
+    fp32 accumulation; block scales applied in fp32 per 16/32-code block, global scales (gate and
+    up separately) and biases in fp32, activation in fp32, one rounding to ``x.dtype``.
+    Capturable in a CUDA graph at or below the row window (no host read, no allocation with
+    ``out``). Bitwise deterministic for a given config.
+    """
+    if not isinstance(weights, PreparedFc1):
+        raise TypeError(f"weights: expected PreparedFc1, got {type(weights).__name__}")
+    if not isinstance(act, ActivationSpec):
+        raise TypeError(f"act: expected an ActivationSpec, got {type(act).__name__}")
+    g = weights.gate
+    if not is_cupy_array(x) or x.ndim != 2:
+        raise TypeError(f"x: expected a 2-D cupy.ndarray [n_tokens, {g.k}], got {type(x).__name__}")
+    dtype = _check_activations(x, "x", x.shape[0], g.k)
+    n_tokens, top_k = _check_routing(routing, x.shape[0], g.n_experts)
+    rows = n_tokens * top_k
+    if rows > row_window:
+        from .batched import fc1_batched
+
+        return fc1_batched(
+            x,
+            g,
+            weights.up,
+            routing,
+            act=act,
+            gate_bias=weights.gate_bias,
+            up_bias=weights.up_bias,
+            out=out,
+        )
+    out = _check_out(out, rows, g.n, dtype)
+    if rows == 0 or g.n == 0:
+        return out
+    cfg = _config(config, g, rows, dtype)
+    has_bias = weights.gate_bias is not None
+    spec = KernelSpec(
+        "gemv_fp4",
+        "gemv_fc1",
+        (
+            _FORMAT_CODE[g.format],
+            _CTYPES[dtype],
+            g.pair_interleaved,
+            cfg.cta_n,
+            cfg.threads,
+            _ACT_CODE[act.kind],
+            has_bias,
+        ),
+    )
+    active = routing.active_experts
+    grid = (-(-g.n // (cfg.cta_n // 2)), int(active.shape[0]))
+    launch(
+        spec,
+        grid,
+        cfg.threads,
+        (
+            x,
+            routing.sorted_rows,
+            weights.kernel_gate,
+            weights.kernel_up,
+            weights.kernel_scales,
+            g.global_scale,
+            weights.up.global_scale,
+            weights.gate_bias,
+            weights.up_bias,
+            routing.expert_offsets,
+            active,
+            out,
+            np.int32(g.n_experts),
+            np.int32(g.n),
+            np.int32(g.k),
+            np.int32(_chunks(g.k)),
+            np.int32(top_k),
+            np.float32(act.alpha),
+            np.float32(act.limit),
+        ),
+    )
+    return out
+
+
+def fc2(
+    h: Any,
+    weights: PreparedFc2,
+    routing: Any,
+    *,
+    out: Any = None,
+    config: GemvConfig | None = None,
+    row_window: int = ROW_WINDOW,
+) -> Any:
+    """FC2 GEMV: ``y[r] = h[r] W[e]^T + b[e]`` for every expanded row ``r`` of expert ``e``.
+
+    Parameters
+    ----------
+    h : cupy.ndarray
+        ``[n_tokens * top_k, intermediate]`` bf16 or fp16, expanded order.
+    weights : PreparedFc2
+    routing : Routing
+    out : cupy.ndarray, optional
+        ``[n_tokens * top_k, hidden]`` of ``h.dtype``.
+    config : GemvConfig, optional
+    row_window : int
+        Above this many expanded rows, :func:`cupymoe.batched.fc2_batched` runs instead.
+
+    Returns
+    -------
+    cupy.ndarray
+        ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``.
+
+    Notes
+    -----
+    Numerics and capturability as :func:`fc1`.
+    """
+    if not isinstance(weights, PreparedFc2):
+        raise TypeError(f"weights: expected PreparedFc2, got {type(weights).__name__}")
+    w = weights.down
+    n_tokens, top_k = _check_routing(routing, None, w.n_experts)
+    rows = n_tokens * top_k
+    dtype = _check_activations(h, "h", rows, w.k)
+    if rows > row_window:
+        from .batched import fc2_batched
+
+        return fc2_batched(h, w, routing, bias=weights.bias, out=out)
+    out = _check_out(out, rows, w.n, dtype)
+    if rows == 0 or w.n == 0:
+        return out
+    cfg = _config(config, w, rows, dtype)
+    spec = KernelSpec(
+        "gemv_fp4",
+        "gemv_fc2",
+        (
+            _FORMAT_CODE[w.format],
+            _CTYPES[dtype],
+            w.pair_interleaved,
+            cfg.cta_n,
+            cfg.threads,
+            weights.bias is not None,
+        ),
+    )
+    active = routing.active_experts
+    launch(
+        spec,
+        (-(-w.n // cfg.cta_n), int(active.shape[0])),
+        cfg.threads,
+        (
+            h,
+            weights.kernel_packed,
+            weights.kernel_scales,
+            w.global_scale,
+            weights.bias,
+            routing.expert_offsets,
+            active,
+            out,
+            np.int32(w.n_experts),
+            np.int32(w.n),
+            np.int32(w.k),
+            np.int32(_chunks(w.k)),
+        ),
+    )
+    return out
+
+
+def kernel_specs() -> list[KernelSpec]:
+    """Every specialisation :func:`fc1` / :func:`fc2` can select.
+
+    2 formats x 2 dtypes x 2 nibble orders x len(TILINGS) tilings x 2 (bias) x (FC2 + 3 FC1
+    activations).
+    """
+    specs = []
+    for fmt in _FORMAT_CODE.values():
+        for ctype in _CTYPES.values():
+            for pair in (False, True):
+                for cta_n, threads in TILINGS:
+                    for bias in (False, True):
+                        head = (fmt, ctype, pair, cta_n, threads)
+                        specs.append(KernelSpec("gemv_fp4", "gemv_fc2", (*head, bias)))
+                        specs += [
+                            KernelSpec("gemv_fp4", "gemv_fc1", (*head, code, bias))
+                            for code in _ACT_CODE.values()
+                        ]
+    return specs
