@@ -9,9 +9,11 @@ output and a graph replay allocates nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ._backend import require_cupy
@@ -106,8 +108,9 @@ class LayerGraph:
     """A CUDA graph of one or more layers with static input and output buffers.
 
     Write the inputs into :attr:`x` (first layer) and :attr:`logits` (one per layer), call
-    :meth:`replay`, read :attr:`out` (the last layer's output). Layer ``i + 1`` reads layer
-    ``i``'s output, like consecutive layers of a decode step.
+    :meth:`replay`, read :attr:`out` (the last layer's output). Replays run on :attr:`stream`:
+    write the inputs on that stream (``with g.stream: g.x[...] = x``) or synchronise first.
+    Layer ``i + 1`` reads layer ``i``'s output, like consecutive layers of a decode step.
     """
 
     def __init__(
@@ -161,15 +164,21 @@ def record_graph(
                 f"({ROW_WINDOW}); larger batches take the batched path, which cannot be recorded"
             )
     dtype = np.dtype(dtype)
-    x = cupy.zeros((n_tokens, hidden), dtype)
-    logits = [cupy.zeros((n_tokens, layer.n_experts), logits_dtype) for layer in layers]
-    outs = [cupy.zeros((n_tokens, hidden), dtype) for _ in layers]
-    if inputs is not None:
-        x[...] = inputs[0]
-        for buf, value in zip(logits, inputs[1], strict=True):
-            buf[...] = value
+    if dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+        raise TypeError(f"dtype: expected bfloat16 or float16, got {dtype}")
+    logits_dtype = np.dtype(logits_dtype)
+    if logits_dtype not in (np.dtype(np.float32), np.dtype(np.float16), dtype):
+        raise TypeError(f"logits_dtype: expected float32, float16 or {dtype}, got {logits_dtype}")
     devices = [layer._device() for layer in layers]
     stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # every buffer is written on the graph's stream: no race with other streams
+        x = cupy.zeros((n_tokens, hidden), dtype)
+        logits = [cupy.zeros((n_tokens, layer.n_experts), logits_dtype) for layer in layers]
+        outs = [cupy.zeros((n_tokens, hidden), dtype) for _ in layers]
+        if inputs is not None:
+            x[...] = inputs[0]
+            for buf, value in zip(logits, inputs[1], strict=True):
+                buf[...] = value
     unknown = set(stages) - set(STAGES)
     if unknown:
         raise ValueError(f"stages: expected names from {STAGES}, got {sorted(unknown)}")
@@ -214,7 +223,7 @@ def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> di
             finally:
                 graphs.append((name, stream.end_capture()))
         for name, graph in graphs:
-            times[name] = _time_replays(lambda g=graph: g.launch(stream), stream, repeats)
+            times[name] = _time_replays(functools.partial(graph.launch, stream), stream, repeats)
     return times
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import is_cupy_array, require_cupy
+from ._backend import device_output, is_cupy_array, require_cupy
 from .dequant import DeviceFp4, dequantize
 
 if TYPE_CHECKING:  # gemv imports this module: no runtime import back
@@ -63,17 +63,6 @@ def _check_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
     if bias.shape != (n_experts, n):
         raise ValueError(f"{name}: expected shape {(n_experts, n)}, got {bias.shape}")
     return cupy.asarray(bias, dtype=cupy.float32)
-
-
-def _check_out(out: Any, rows: int, n: int, dtype: np.dtype) -> Any:
-    cupy = require_cupy()
-    if out is None:
-        return cupy.empty((rows, n), dtype=dtype)
-    if not is_cupy_array(out):
-        raise TypeError(f"out: expected a cupy.ndarray, got {type(out).__name__}")
-    if out.shape != (rows, n) or out.dtype != dtype:
-        raise ValueError(f"out: expected {dtype.name} {(rows, n)}, got {out.dtype} {out.shape}")
-    return out
 
 
 def _routing_arrays(routing: Any, n_experts: int) -> tuple[int, Any, np.ndarray]:
@@ -202,7 +191,7 @@ def fc1_batched(
     gate_bias = _check_bias(gate_bias, "gate_bias", n_experts, inter)
     up_bias = _check_bias(up_bias, "up_bias", n_experts, inter)
     rows = int(sorted_rows.shape[0])
-    out = _check_out(out, rows, inter, x.dtype)
+    out = device_output(out, (rows, inter), x.dtype)
     if rows == 0:
         return out
     x_sorted = x[sorted_rows // top_k].astype(cupy.float32)
@@ -246,7 +235,7 @@ def fc2_batched(
     rows = int(sorted_rows.shape[0])
     _check_rows_input(h, "h", rows, down.k)
     bias = _check_bias(bias, "bias", down.n_experts, down.n)
-    out = _check_out(out, rows, down.n, h.dtype)
+    out = device_output(out, (rows, down.n), h.dtype)
     if rows == 0:
         return out
     (y,) = _grouped_matmul(h.astype(cupy.float32), (down,), (bias,), offsets)

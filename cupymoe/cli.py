@@ -48,7 +48,7 @@ def _shape_from_options(
                 f"give --preset or all of --hidden/--inter/--experts (missing {', '.join(missing)})"
             )
         base = LayerShape("custom", 0, 0, 0, 8 if top_k is None else top_k, fmt or "nvfp4")
-    changes = {
+    changes: dict[str, Any] = {
         k: v
         for k, v in (
             ("hidden", hidden),

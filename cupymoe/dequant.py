@@ -77,6 +77,13 @@ class DeviceFp4:
             )
         if self.global_scale.shape != (e,):
             raise ValueError(f"global_scale: expected shape {(e,)}, got {self.global_scale.shape}")
+        # Value checks read the device once, at construction (never in a hot path).
+        if e and not bool(((self.global_scale > 0) & (self.global_scale < np.inf)).all()):
+            raise ValueError("global_scale: expected finite values > 0")
+        nan_byte = 0x7F if self.format is Fp4Format.NVFP4 else 0xFF
+        masked = self.scales & np.uint8(0x7F) if self.format is Fp4Format.NVFP4 else self.scales
+        if self.scales.size and bool((masked == nan_byte).any()):
+            raise ValueError(f"scales: NaN scale byte 0x{nan_byte:02X} ({self.format.scale_name})")
 
     @classmethod
     def from_experts(cls, w: Fp4Experts, *, pair_interleaved: bool = False) -> DeviceFp4:

@@ -15,7 +15,7 @@ import numpy as np
 from ._backend import is_cupy_array, require_cupy
 from ._compile import KernelSpec
 from ._launch import launch
-from .routing import Routing
+from .routing import Routing, check_device_routing
 
 __all__ = ["expand", "expand_ref", "kernel_specs"]
 
@@ -79,8 +79,9 @@ def expand(x: Any, routing: Routing, *, out: Any = None) -> Any:
             f"x: expected cupy.ndarray (use expand_ref for NumPy), got {type(x).__name__}"
         )
     n_rows, hidden = _check(x, routing)
+    check_device_routing(routing)
     item = x.dtype.itemsize
-    if hidden > 1 and x.strides[1] != item:
+    if x.shape[0] > 0 and hidden > 1 and x.strides[1] != item:  # empty: strides mean nothing
         raise ValueError("x: the hidden axis must be contiguous")
     if x.shape[0] > 1 and x.strides[0] % item:
         raise ValueError(f"x: row stride must be a multiple of {item} bytes")

@@ -16,7 +16,7 @@ import numpy as np
 from ._backend import is_cupy_array, require_cupy
 from ._compile import KernelSpec
 from ._launch import launch
-from .routing import Routing
+from .routing import Routing, check_device_routing
 
 __all__ = ["finalize", "finalize_ref", "kernel_specs"]
 
@@ -106,6 +106,7 @@ def finalize(
                 f"got {type(a).__name__}"
             )
     m, hidden = _check(y, routing, bias)
+    check_device_routing(routing)
     if np.dtype(y.dtype) not in _CTYPE:
         raise TypeError(f"y: expected dtype bfloat16, float16 or float32, got {y.dtype}")
     if routing.top_k > MAX_TOP_K:

@@ -24,12 +24,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import is_cupy_array, require_cupy, to_numpy
+from ._backend import device_output, is_cupy_array, require_cupy, to_numpy
 from ._compile import KernelSpec
 from ._launch import launch
 from .config import CHUNK, ROW_WINDOW, TILINGS, GemvConfig
 from .dequant import DeviceFp4
 from .formats import Fp4Experts, Fp4Format
+from .routing import check_device_routing
 
 # fmt: off
 __all__ = [
@@ -313,7 +314,10 @@ def _device_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
         raise ValueError(f"{name}: expected shape {(n_experts, n)}, got {b.shape}")
     if b.dtype.kind != "f" and b.dtype != np.dtype(ml_dtypes.bfloat16):
         raise TypeError(f"{name}: expected a float array, got dtype {b.dtype}")
-    return cupy.ascontiguousarray(cupy.asarray(b.astype(np.float32)))
+    b = b.astype(np.float32)
+    if not np.all(np.isfinite(b)):
+        raise ValueError(f"{name}: contains NaN or Inf")
+    return cupy.ascontiguousarray(cupy.asarray(b))
 
 
 def prepare_fc1(
@@ -377,44 +381,6 @@ def _check_activations(a: Any, name: str, rows: int, width: int) -> np.dtype:
     return np.dtype(a.dtype)
 
 
-def _check_routing(routing: Any, n_tokens: int | None, n_experts: int) -> tuple[int, int]:
-    """``(n_tokens, top_k)`` after checking the routing arrays' shapes and dtypes (no host read)."""
-    ids = routing.topk_ids
-    if ids.ndim != 2 or (n_tokens is not None and ids.shape[0] != n_tokens):
-        raise ValueError(
-            f"routing.topk_ids: expected shape ({n_tokens}, top_k), got {tuple(ids.shape)}"
-        )
-    m, top_k = int(ids.shape[0]), int(ids.shape[1])
-    rows = m * top_k
-    expect = {
-        "expert_offsets": (n_experts + 1,),
-        "sorted_rows": (rows,),
-        "active_experts": (min(rows, n_experts),),
-    }
-    for field, shape in expect.items():
-        a = getattr(routing, field)
-        if not is_cupy_array(a) or a.dtype != np.int32 or a.shape != shape:
-            raise ValueError(
-                f"routing.{field}: expected a cupy int32 array of shape {shape}, got "
-                f"{type(a).__name__} {getattr(a, 'dtype', '')} {tuple(getattr(a, 'shape', ()))}"
-            )
-    return m, top_k
-
-
-def _check_out(out: Any, rows: int, n: int, dtype: np.dtype) -> Any:
-    cupy = require_cupy()
-    if out is None:
-        return cupy.empty((rows, n), dtype=dtype)
-    if not is_cupy_array(out) or out.dtype != dtype or out.shape != (rows, n):
-        raise ValueError(
-            f"out: expected a cupy {dtype.name} array of shape {(rows, n)}, got "
-            f"{type(out).__name__} {getattr(out, 'dtype', '')} {tuple(getattr(out, 'shape', ()))}"
-        )
-    if not out.flags.c_contiguous:
-        raise ValueError("out: expected a C-contiguous array")
-    return out
-
-
 def _config(config: GemvConfig | None, w: DeviceFp4, rows: int, dtype: np.dtype) -> GemvConfig:
     if config is None:
         name = _device_name(require_cupy().cuda.Device().id)
@@ -473,7 +439,7 @@ def fc1(
     if not is_cupy_array(x) or x.ndim != 2:
         raise TypeError(f"x: expected a 2-D cupy.ndarray [n_tokens, {g.k}], got {type(x).__name__}")
     dtype = _check_activations(x, "x", x.shape[0], g.k)
-    n_tokens, top_k = _check_routing(routing, x.shape[0], g.n_experts)
+    n_tokens, top_k = check_device_routing(routing, n_tokens=int(x.shape[0]), n_experts=g.n_experts)
     rows = n_tokens * top_k
     if rows > row_window:
         from .batched import fc1_batched
@@ -488,7 +454,7 @@ def fc1(
             up_bias=weights.up_bias,
             out=out,
         )
-    out = _check_out(out, rows, g.n, dtype)
+    out = device_output(out, (rows, g.n), dtype)
     if rows == 0 or g.n == 0:
         return out
     cfg = _config(config, g, rows, dtype)
@@ -572,14 +538,14 @@ def fc2(
     if not isinstance(weights, PreparedFc2):
         raise TypeError(f"weights: expected PreparedFc2, got {type(weights).__name__}")
     w = weights.down
-    n_tokens, top_k = _check_routing(routing, None, w.n_experts)
+    n_tokens, top_k = check_device_routing(routing, n_experts=w.n_experts)
     rows = n_tokens * top_k
     dtype = _check_activations(h, "h", rows, w.k)
     if rows > row_window:
         from .batched import fc2_batched
 
         return fc2_batched(h, w, routing, bias=weights.bias, out=out)
-    out = _check_out(out, rows, w.n, dtype)
+    out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
     cfg = _config(config, w, rows, dtype)

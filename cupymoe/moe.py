@@ -273,6 +273,8 @@ class MoELayer:
         cupy = require_cupy()
         xd = x if on_device else cupy.asarray(x)
         ld = router_logits if on_device else cupy.asarray(router_logits)
+        if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
+            ld = ld.astype(np.float32)
         if out is not None:
             _check_out(out, (m, self.hidden), x.dtype, device=on_device)
         result = self._device().run(xd, ld, out=out if on_device else None)

@@ -362,6 +362,9 @@ def route_ref(logits: np.ndarray, router: Router) -> Routing:
     _check_logits(logits, router, _REF_DTYPES)
     x = logits.astype(np.float32)
     m_tokens, k = x.shape[0], router.top_k
+    if m_tokens == 0:
+        empty = np.zeros((0, k), np.int32)
+        return Routing(empty, empty.astype(np.float32), *expert_maps_ref(empty, router.n_experts))
     nan = np.isnan(x)
     if router.method is RoutingMethod.SIGMOID_GROUPED:
         s = sigmoid_f32(x)
@@ -476,11 +479,27 @@ def _check_device(name: str, a: Any, shape: tuple[int, ...], dtype: Any) -> None
         raise ValueError(f"{name}: expected a C-contiguous array")
 
 
-def _check_out(out: Any, m: int, e: int, k: int) -> None:
-    if not isinstance(out, Routing):
-        raise TypeError(f"out: expected a Routing, got {type(out).__name__}")
+def check_device_routing(
+    routing: Any,
+    *,
+    n_tokens: int | None = None,
+    n_experts: int | None = None,
+    top_k: int | None = None,
+    name: str = "routing",
+) -> tuple[int, int]:
+    """Check that ``routing`` holds C-contiguous CuPy arrays of the shapes and dtypes of a
+    :class:`Routing` (no host read); return ``(n_tokens, top_k)``. ``None`` dimensions are taken
+    from ``routing`` itself."""
+    if not isinstance(routing, Routing):
+        raise TypeError(f"{name}: expected a Routing, got {type(routing).__name__}")
+    ids = routing.topk_ids
+    if getattr(ids, "ndim", 0) != 2:
+        raise ValueError(f"{name}.topk_ids: expected a 2-D array [n_tokens, top_k]")
+    m = int(ids.shape[0]) if n_tokens is None else n_tokens
+    k = int(ids.shape[1]) if top_k is None else top_k
+    e = routing.n_experts if n_experts is None else n_experts
     n = m * k
-    for name, shape, dtype in (
+    for field, shape, dtype in (
         ("topk_ids", (m, k), np.int32),
         ("topk_weights", (m, k), np.float32),
         ("expert_offsets", (e + 1,), np.int32),
@@ -488,7 +507,8 @@ def _check_out(out: Any, m: int, e: int, k: int) -> None:
         ("inverse", (n,), np.int32),
         ("active_experts", (min(n, e),), np.int32),
     ):
-        _check_device(f"out.{name}", getattr(out, name), shape, dtype)
+        _check_device(f"{name}.{field}", getattr(routing, field), shape, dtype)
+    return m, k
 
 
 def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing:
@@ -527,12 +547,12 @@ def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing
     item = logits.dtype.itemsize
     if m > 1 and (logits.strides[0] % item or logits.strides[0] < e * item):
         raise ValueError(f"logits: expected a row stride that is a multiple of {item} bytes")
-    if e > 1 and logits.strides[1] != item:
+    if m > 0 and e > 1 and logits.strides[1] != item:  # an empty array's strides mean nothing
         raise ValueError("logits: the expert axis must be contiguous")
     if out is None:
         out = Routing.empty(m, e, k, xp=cupy)
     else:
-        _check_out(out, m, e, k)
+        check_device_routing(out, n_tokens=m, n_experts=e, top_k=k, name="out")
     grouped = router.method is RoutingMethod.SIGMOID_GROUPED
     bias = router.device_bias() if grouped else None
     ld = np.int64(logits.strides[0] // item if m > 1 else e)

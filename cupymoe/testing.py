@@ -72,8 +72,10 @@ def assert_close(
     bad = ~np.isclose(o, r, rtol=0, atol=max_rel * max(float(np.nanmax(np.abs(r))), 1e-300))
     bad |= np.isnan(o) != np.isnan(r)
     coords = np.argwhere(bad)[:8]
-    lines = [f"  {tuple(int(c) for c in idx)}: ref={r[tuple(idx)]!r} out={o[tuple(idx)]!r}"
-             for idx in coords]
+    lines = [
+        f"  {tuple(int(c) for c in idx)}: ref={r[tuple(idx)]!r} out={o[tuple(idx)]!r}"
+        for idx in coords
+    ]
     raise AssertionError(
         f"{name}: max_rel {got_max:.3e} (limit {max_rel:.1e}), rms_rel {got_rms:.3e} "
         f"(limit {rms_rel:.1e}); {int(bad.sum())} of {bad.size} elements off, first:\n"
@@ -91,8 +93,10 @@ def assert_equal(ref: Any, out: Any, *, name: str = "output") -> None:
         raise AssertionError(f"{name}: dtype {o.dtype}, expected {r.dtype}")
     if not np.array_equal(r, o):
         coords = np.argwhere(r != o)[:8]
-        lines = [f"  {tuple(int(c) for c in idx)}: ref={r[tuple(idx)]} out={o[tuple(idx)]}"
-                 for idx in coords]
+        lines = [
+            f"  {tuple(int(c) for c in idx)}: ref={r[tuple(idx)]} out={o[tuple(idx)]}"
+            for idx in coords
+        ]
         raise AssertionError(
             f"{name}: {int((r != o).sum())} of {r.size} elements differ, first:\n"
             + "\n".join(lines)

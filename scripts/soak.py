@@ -51,11 +51,14 @@ def main() -> int:
 
     rng = np.random.default_rng(0)
     shape = dataclasses.replace(PRESETS["qwen3.6-35b-a3b"], n_experts=args.experts)
-    layers = [cm.MoELayer(**random_layer(shape, rng, max_tokens=args.tokens))
-              for _ in range(args.layers)]
+    layers = [
+        cm.MoELayer(**random_layer(shape, rng, max_tokens=args.tokens)) for _ in range(args.layers)
+    ]
     x = cupy.asarray(rng.standard_normal((args.tokens, shape.hidden)).astype(ml_dtypes.bfloat16))
-    logits = [cupy.asarray(rng.standard_normal((args.tokens, shape.n_experts)).astype(np.float32))
-              for _ in layers]
+    logits = [
+        cupy.asarray(rng.standard_normal((args.tokens, shape.n_experts)).astype(np.float32))
+        for _ in layers
+    ]
     graph = record_graph(layers, args.tokens, x.dtype, inputs=(x, logits))
     graph.replay()
     graph.stream.synchronize()
@@ -74,8 +77,11 @@ def main() -> int:
     seconds = time.perf_counter() - t0
     after = (_gpu_used(), pool.used_bytes(), pool.total_bytes(), _rss_bytes())
     names = ("GPU in use", "CuPy pool used", "CuPy pool held", "host RSS")
-    print(f"{args.replays} replays of {args.layers} layers x {args.tokens} tokens in {seconds:.1f} s "
-          f"({seconds / args.replays * 1e6:.1f} us per replay); output sha256 {digest}")
+    print(
+        f"{args.replays} replays of {args.layers} layers x {args.tokens} tokens in "
+        f"{seconds:.1f} s ({seconds / args.replays * 1e6:.1f} us per replay); "
+        f"output sha256 {digest}"
+    )
     grew = False
     for name, b, a in zip(names, before, after, strict=True):
         # Host RSS may move by a page or two from the interpreter; allow 1 MiB there, 0 on the GPU.

@@ -79,7 +79,7 @@ def test_offline_compile_every_specialisation(arch: str) -> None:
 
 def test_offline_compile_reports_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     _nvrtc_archs()
-    broken = '#include "common.cuh"\ntemplate <int N> __global__ void k(float* x) { x[0] = N + ; }\n'
+    broken = '#include "common.cuh"\ntemplate <int N> __global__ void k(float* x) { x[0] = N+; }\n'
     real = compile_mod._read_cuda_file
     monkeypatch.setattr(
         compile_mod, "_read_cuda_file", lambda name: broken if name == "broken.cu" else real(name)

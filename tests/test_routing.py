@@ -332,6 +332,7 @@ def test_route_cuda_graph(m: int, e: int, k: int, rng: np.random.Generator) -> N
         a.fill(-1)
     x2 = _logits("ties", m, e, BF16, rng)
     xd[...] = _device(x2)
+    cupy.cuda.Device().synchronize()  # the copy ran on the null stream; the graph on `stream`
     graph.launch(stream)
     stream.synchronize()
     _check_routing(route_ref(x2, router), out)
