@@ -67,7 +67,9 @@ def _check_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
 
 def _routing_arrays(routing: Any, n_experts: int) -> tuple[int, Any, np.ndarray]:
     """``(top_k, sorted_rows, host expert_offsets)``; the one host synchronisation."""
-    top_k = int(routing.topk_ids.shape[1])
+    from .routing import check_device_routing
+
+    _, top_k = check_device_routing(routing, n_experts=n_experts)
     offsets = routing.expert_offsets
     if offsets.shape != (n_experts + 1,):
         raise ValueError(

@@ -55,6 +55,7 @@ class BenchResult:
     floor_us: float
     distinct_bytes: int
     stages_us: dict[str, float]
+    eager_us: float  # wall time per eager call of one layer, back to back (host-bound at decode)
 
     @property
     def effective_tbps(self) -> float:
@@ -191,9 +192,25 @@ def bench_preset(
                 floor_us=floor_bytes / (HBM_READ_TBPS * 1e12) * 1e6,
                 distinct_bytes=int(floor_bytes),
                 stages_us=stages,
+                eager_us=_eager_call_us(layers[0], xd, ld[0]),
             )
         )
     return results
+
+
+def _eager_call_us(layer: MoELayer, x: Any, logits: Any, calls: int = 200) -> float:
+    """Wall microseconds per eager ``layer(x, logits)`` issued back to back, then one sync."""
+    import time
+
+    cupy = require_cupy()
+    for _ in range(5):
+        layer(x, logits)
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        layer(x, logits)
+    cupy.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def _eager_stack(layers: Sequence[MoELayer], x: Any, logits: Sequence[Any]) -> Callable[[], None]:
@@ -208,7 +225,7 @@ def format_table(results: Sequence[BenchResult]) -> str:
     """Markdown table of ``results`` (the README and ``benchmarks/`` use this format)."""
     head = (
         "| preset | M | mode | µs/layer | floor µs | % of floor | TB/s | route | fc1 | fc2 "
-        "| finalize |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "| finalize | eager µs/call |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for r in results:
@@ -217,6 +234,6 @@ def format_table(results: Sequence[BenchResult]) -> str:
             f"| {r.preset} {r.format} {r.dtype} | {r.tokens} | {r.mode} | {r.us_per_layer:.2f} "
             f"| {r.floor_us:.2f} | {r.pct_of_floor:.0f} % | {r.effective_tbps:.2f} | "
             + " | ".join(st)
-            + " |"
+            + f" | {r.eager_us:.1f} |"
         )
     return "\n".join([head, *rows])

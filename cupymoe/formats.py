@@ -349,7 +349,7 @@ def _quantize_nvfp4(blocks: np.ndarray, expert: int) -> tuple[np.ndarray, np.nda
     block_scale = np.maximum(block_scale, np.float32(2.0**-9))
     scale_bytes = encode_e4m3(block_scale)
     effective = decode_e4m3(scale_bytes) * global_scale  # one fp32 rounding
-    if np.any(effective == 0):
+    if not global_scale > 0 or not np.all(effective > 0):  # underflow (or NaN from 0 / 0)
         raise ValueError(
             f"weights: expert {expert} has amax {amax:.3e}, too small for an FP32 NVFP4 global "
             f"scale (block scale x global scale underflows to 0)"

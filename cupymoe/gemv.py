@@ -209,6 +209,8 @@ def fc1_ref(
             f"up: expected the shape of gate {(gate.n_experts, gate.n, gate.k)}, "
             f"got {(up.n_experts, up.n, up.k)}"
         )
+    _check_bias_ref(gate_bias, "gate_bias", gate)  # name the caller's argument
+    _check_bias_ref(up_bias, "up_bias", up)
     g = gemv_ref(x_sorted, gate, expert_offsets, bias=gate_bias)
     u = gemv_ref(x_sorted, up, expert_offsets, bias=up_bias)
     return activation_ref(g, u, act)

@@ -253,7 +253,21 @@ class MoELayer:
 
     # ---- running -----------------------------------------------------------------------------
     def __call__(self, x: Any, router_logits: Any, *, out: Any = None) -> Any:
-        """Run the layer: ``x [M, H]`` (bf16/fp16), ``router_logits [M, E]`` -> ``[M, H]``."""
+        """Run the layer: ``x [M, H]`` (bf16/fp16), ``router_logits [M, E]`` -> ``[M, H]``.
+
+        ``x`` and ``router_logits`` are NumPy arrays (result: NumPy), CuPy arrays (result: CuPy,
+        no copies) or GPU tensors of another framework that speaks DLPack, such as torch or JAX
+        (zero-copy in and out; the result is a tensor of that framework).
+        """
+        framework = _dlpack_framework(x)
+        if framework is not None:
+            cupy = require_cupy()
+            result = self(
+                cupy.from_dlpack(x),
+                cupy.from_dlpack(router_logits),
+                out=None if out is None else cupy.from_dlpack(out),
+            )
+            return out if out is not None else framework.from_dlpack(result)
         m = self.check_inputs(x, router_logits)
         on_device = is_cupy_array(x)
         if not on_device and not gpu_available():
@@ -271,8 +285,10 @@ class MoELayer:
                 return out
             return result
         cupy = require_cupy()
-        xd = x if on_device else cupy.asarray(x)
-        ld = router_logits if on_device else cupy.asarray(router_logits)
+        # The kernels read C-contiguous rows: other layouts are copied once (CuPy keeps
+        # NumPy's F order on upload).
+        xd = cupy.ascontiguousarray(x)
+        ld = cupy.ascontiguousarray(router_logits)
         if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
             ld = ld.astype(np.float32)
         if out is not None:
@@ -317,12 +333,31 @@ class MoELayer:
         return self._gpu
 
 
+def _dlpack_framework(a: Any) -> Any:
+    """The module whose ``from_dlpack`` turns a CuPy result back into ``a``'s kind, or ``None``
+    for NumPy / CuPy arrays."""
+    if isinstance(a, np.ndarray) or is_cupy_array(a) or not hasattr(a, "__dlpack__"):
+        return None
+    root = type(a).__module__.split(".")[0]
+    if root == "torch":
+        import torch
+
+        return torch
+    if root in ("jax", "jaxlib"):
+        import jax.numpy
+
+        return jax.numpy
+    raise TypeError(f"x: expected a NumPy, CuPy, torch or JAX array, got {type(a).__name__}")
+
+
 def _check_out(out: Any, shape: tuple[int, ...], dtype: Any, *, device: bool) -> None:
     if device != is_cupy_array(out) or not (device or isinstance(out, np.ndarray)):
         kind = "cupy.ndarray" if device else "numpy.ndarray"
         raise TypeError(f"out: expected a {kind} like x, got {type(out).__name__}")
     if tuple(out.shape) != shape or np.dtype(out.dtype) != np.dtype(dtype):
         raise ValueError(f"out: expected {shape} {np.dtype(dtype)}, got {out.shape} {out.dtype}")
+    if device and not out.flags.c_contiguous:  # checked before any stage launches
+        raise ValueError("out: expected a C-contiguous array")
 
 
 def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
@@ -352,6 +387,8 @@ def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
     """
     from ._backend import to_numpy
 
+    if not isinstance(layer, MoELayer):
+        raise TypeError(f"layer: expected a MoELayer, got {type(layer).__name__}")
     x = to_numpy(x)
     logits = to_numpy(router_logits)
     layer.check_inputs(x, logits)

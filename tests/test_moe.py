@@ -88,7 +88,10 @@ def test_fc1_layouts_and_bias_order(rng: np.random.Generator, layout: str) -> No
     gate_bias = rng.standard_normal((e, i)).astype(np.float32)
     up_bias = rng.standard_normal((e, i)).astype(np.float32)
     pair = cm.MoELayer(
-        (gate, up), down, top_k=2, fc1_bias=np.concatenate([gate_bias, up_bias], 1),
+        (gate, up),
+        down,
+        top_k=2,
+        fc1_bias=np.concatenate([gate_bias, up_bias], 1),
         activation="swiglu_oai",
     )
     if layout == "concatenated":
@@ -96,7 +99,11 @@ def test_fc1_layouts_and_bias_order(rng: np.random.Generator, layout: str) -> No
     else:
         bias = np.stack([gate_bias, up_bias], 2).reshape(e, 2 * i)
     single = cm.MoELayer(
-        _fc1_single(gate, up, layout), down, top_k=2, fc1_layout=layout, fc1_bias=bias,
+        _fc1_single(gate, up, layout),
+        down,
+        top_k=2,
+        fc1_layout=layout,
+        fc1_bias=bias,
         activation="swiglu_oai",
     )
     np.testing.assert_array_equal(single.gate_bias, gate_bias)
@@ -128,9 +135,7 @@ def test_separate_global_scales_are_kept(rng: np.random.Generator) -> None:
         (dict(fc1_layout="interleaved"), ValueError, "fc1_layout"),
     ],
 )
-def test_layer_validation(
-    rng: np.random.Generator, change: dict, error: type, match: str
-) -> None:
+def test_layer_validation(rng: np.random.Generator, change: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         _small_layer(rng, **change)
 
@@ -250,3 +255,22 @@ def test_layer_gpu_deterministic_and_out(rng: np.random.Generator) -> None:
     buf = cupy.full((8, shape.hidden), cupy.nan, dtype=BF16)
     assert layer(x, logits, out=buf) is buf
     assert bool((buf.view(cupy.uint16) == first).all())
+
+
+@pytest.mark.gpu
+def test_torch_tensors_in_and_out_without_copies(rng: np.random.Generator) -> None:
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    layer = _small_layer(rng)
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(3, 4, device="cuda", dtype=torch.float32)
+    out = layer(x, logits)
+    assert isinstance(out, torch.Tensor) and out.is_cuda and out.dtype == torch.bfloat16
+    ref = layer(cupy.from_dlpack(x), cupy.from_dlpack(logits))
+    assert bool((cupy.from_dlpack(out).view(cupy.uint16) == ref.view(cupy.uint16)).all())
+    buf = torch.full((3, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert layer(x, logits, out=buf) is buf  # written in place: the same memory
+    assert torch.equal(buf, out)
+    # zero-copy input: the kernels read torch's memory (DLPack shares the pointer)
+    assert cupy.from_dlpack(x).data.ptr == x.data_ptr()

@@ -101,8 +101,10 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
     } else if constexpr (kAct == 2) {
         return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
     } else {
-        g = fminf(g, limit);
-        u = fminf(fmaxf(u, -limit), limit);
+        // Comparisons, not fminf/fmaxf: those return the other operand for NaN, and a NaN must
+        // reach the output like it does in the reference.
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
         return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
     }
 }

@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmark bookkeeping (CPU): bytes per expert, the stack depth that defeats the L2, the table,
+and the GPU-only commands refusing cleanly without a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+
+from cupymoe._backend import gpu_available
+from cupymoe.bench import L2_BYTES, BenchResult, expert_bytes, format_table, stack_depth
+from cupymoe.cli import cli
+from cupymoe.presets import PRESETS
+
+
+def test_expert_bytes_by_hand() -> None:
+    qwen = PRESETS["qwen3.6-35b-a3b"]  # 3 matrices of 512 x 2048: codes, E4M3 per 16, fp32
+    assert expert_bytes(qwen) == 3 * (512 * 2048 // 2 + 512 * 2048 // 16 + 4)
+    oss = PRESETS["gpt-oss-20b"]  # E8M0 per 32
+    assert expert_bytes(oss) == 3 * (2880 * 2880 // 2 + 2880 * 2880 // 32 + 4)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_stack_defeats_l2(name: str) -> None:
+    shape = PRESETS[name]
+    depth = stack_depth(shape)
+    touched = depth * shape.top_k * expert_bytes(shape)
+    assert depth >= 2
+    assert touched >= 4 * L2_BYTES or depth * shape.n_experts * expert_bytes(shape) > 40e9
+    small = dataclasses.replace(shape, n_experts=8, top_k=2)
+    assert stack_depth(small, max_weight_bytes=1e6) == 2  # memory cap wins, never below 2
+
+
+def test_table_and_metrics() -> None:
+    r = BenchResult(
+        "p",
+        "nvfp4",
+        "bfloat16",
+        4,
+        10,
+        "graph",
+        20.0,
+        10.0,
+        45_000_000,
+        {"route": 1.0, "fc1": 12.0, "fc2": 6.0, "finalize": 1.0},
+        35.0,
+    )
+    assert r.pct_of_floor == pytest.approx(50.0)
+    assert r.effective_tbps == pytest.approx(45e6 / 20e-6 / 1e12)
+    table = format_table([r])
+    assert "| p nvfp4 bfloat16 | 4 | graph | 20.00 | 10.00 | 50 % | 2.25 |" in table
+    assert table.count("\n") == 2 and r.as_dict()["pct_of_floor"] == pytest.approx(50.0)
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU refusal")
+@pytest.mark.parametrize("args", [["bench", "--tokens", "1"], ["tune", "--preset", "gpt-oss-20b"]])
+def test_gpu_commands_refuse_without_gpu(args: list[str]) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and "needs a CUDA GPU" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["bench", "--tokens", "1,x"], "--tokens"),
+        (["bench", "--tokens", "0"], "--tokens"),
+        (["tune"], "--preset"),
+        (["tune", "--shape", "1,2,3"], "--shape"),
+    ],
+)
+def test_bench_tune_bad_options(args: list[str], match: str) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and match in result.output
