@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every kernel family once, at tail shapes and at the largest supported E, top_k and M, each
+result checked against its reference. Run under compute-sanitizer by ``scripts/sanitize.sh``.
+
+Exit status 1 when any result differs from its reference (the sanitizer reports memory errors,
+races, uninitialised reads and bad barriers itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import cupy
+import ml_dtypes
+import numpy as np
+
+import cupymoe as cm
+from cupymoe.dequant import DeviceFp4, dequantize, dequantize_ref
+from cupymoe.expand import expand, expand_ref
+from cupymoe.finalize import finalize, finalize_ref
+from cupymoe.presets import PRESETS, random_fp4_experts, random_layer
+from cupymoe.routing import GPU_MAX_EXPERTS, Router, route, route_ref
+from cupymoe.testing import assert_close, assert_equal
+
+BF16 = ml_dtypes.bfloat16
+failures: list[str] = []
+
+
+def check(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    try:
+        fn()
+        print(f"ok    {name}", flush=True)
+    except AssertionError as error:
+        failures.append(name)
+        print(f"FAIL  {name}: {str(error).splitlines()[0]}", flush=True)
+
+
+def routing_case(m: int, e: int, k: int, method: str, **kw) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(m * 1000 + e + k)
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    router = Router(n_experts=e, top_k=k, method=cm.RoutingMethod(method), **kw)
+    ref, out = route_ref(logits, router), route(cupy.asarray(logits), router)
+    for field in ("topk_ids", "expert_offsets", "sorted_rows", "inverse", "active_experts"):
+        assert_equal(getattr(ref, field), getattr(out, field), name=field)
+    assert_close(ref.topk_weights, out.topk_weights, max_rel=2e-6, rms_rel=2e-6)
+
+
+def stages_case(m: int, h: int, k: int, dtype) -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(h)
+    e = 32
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    router = Router(n_experts=e, top_k=k)
+    ref_r, r = route_ref(logits, router), route(cupy.asarray(logits), router)
+    x = rng.standard_normal((m, h)).astype(dtype)
+    assert_equal(expand_ref(x, ref_r).view(np.uint8), expand(cupy.asarray(x), r).view(cupy.uint8))
+    y = rng.standard_normal((m * k, h)).astype(dtype)
+    assert_close(finalize_ref(y, ref_r), finalize(cupy.asarray(y), r), max_rel=1e-2, rms_rel=5e-3)
+
+
+def dequant_case(fmt: str, pair: bool, k: int) -> None:
+    w = random_fp4_experts(np.random.default_rng(k), 3, 24, k, fmt)
+    d = DeviceFp4.from_experts(w, pair_interleaved=pair)
+    out = dequantize(d, out_dtype=np.float32)
+    assert_equal(dequantize_ref(w, out_dtype=np.float32).view(np.uint32), out.view(cupy.uint32))
+
+
+def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = "") -> None:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(m)
+    shape = dataclasses.replace(PRESETS[name], n_experts=experts)
+    if act:
+        shape = dataclasses.replace(shape, activation=act)
+    layer = cm.MoELayer(**random_layer(shape, rng, max_tokens=m), pair_interleaved=pair)
+    x = rng.standard_normal((m, shape.hidden)).astype(dtype)
+    logits = rng.standard_normal((m, experts)).astype(np.float32)
+    out = layer(cupy.asarray(x), cupy.asarray(logits))
+    assert_close(cm.moe_reference(x, logits, layer), out, max_rel=3e-2, rms_rel=1.6e-2)
+
+
+def main() -> int:
+    # Routing: fused decode launch, warp path, block path at the largest E and top_k, large-M maps.
+    check("route fused M=8 E=256 k=8", lambda: routing_case(8, 256, 8, "softmax_topk"))
+    check("route warp M=33 E=60 k=6", lambda: routing_case(33, 60, 6, "topk_softmax"))
+    check(
+        "route grouped M=4 E=256 k=8",
+        lambda: routing_case(
+            4,
+            256,
+            8,
+            "sigmoid_grouped",
+            n_group=8,
+            topk_group=4,
+            correction_bias=np.linspace(-0.1, 0.1, 256, dtype=np.float32),
+        ),
+    )
+    check(
+        f"route block M=3 E={GPU_MAX_EXPERTS} k=64",
+        lambda: routing_case(3, GPU_MAX_EXPERTS, 64, "softmax_topk"),
+    )
+    check("route + tiled maps M=3000 E=256 k=8", lambda: routing_case(3000, 256, 8, "softmax_topk"))
+    # Expand / finalize at a tail width (no 16-byte vectors) and a vector width.
+    check("expand+finalize M=5 H=2050 k=3 fp16", lambda: stages_case(5, 2050, 3, np.float16))
+    check("expand+finalize M=64 H=2048 k=8 bf16", lambda: stages_case(64, 2048, 8, BF16))
+    # Dequantize: both formats, both nibble orders, a K tail (NVFP4 K % 32 == 16).
+    for fmt, k in (("nvfp4", 48), ("mxfp4", 96)):
+        for pair in (False, True):
+            check(
+                f"dequant {fmt} K={k} pair={pair}",
+                lambda f=fmt, kk=k, p=pair: dequant_case(f, p, kk),
+            )
+    # Whole layers: FC1 (all three activations) and FC2 GEMVs, both formats and nibble orders,
+    # biases, fp16 and bf16, the batched path above the row window.
+    check("layer qwen M=8 bf16", lambda: layer_case("qwen3.6-35b-a3b", 8, BF16, False, 32))
+    check("layer gpt-oss M=3 fp16 pair", lambda: layer_case("gpt-oss-20b", 3, np.float16, True, 8))
+    check("layer deepseek M=2 bf16", lambda: layer_case("deepseek-v3", 2, BF16, False, 16))
+    check(
+        "layer qwen geglu M=4 fp16",
+        lambda: layer_case("qwen3.6-35b-a3b", 4, np.float16, True, 16, act="geglu"),
+    )
+    check(
+        "layer qwen M=9 (batched) fp16",
+        lambda: layer_case("qwen3.6-35b-a3b", 9, np.float16, False, 16),
+    )
+    cupy.cuda.Device().synchronize()
+    print(f"{len(failures)} failed checks" + (f": {failures}" if failures else ""))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
