@@ -244,6 +244,17 @@ class MoELayer:
                 f"router_logits: expected dtype bfloat16, float16, float32 or float64, "
                 f"got {router_logits.dtype}"
             )
+        if is_cupy_array(x) and m > 0:  # the kernels read rows in place: check before any launch
+            if not x.flags.c_contiguous:
+                raise ValueError(
+                    "x: expected a C-contiguous cupy.ndarray (use cupy.ascontiguousarray)"
+                )
+            item = router_logits.itemsize
+            if router_logits.strides[1] != item or router_logits.strides[0] < self.n_experts * item:
+                raise ValueError(
+                    "router_logits: expected contiguous rows with a positive row stride, got "
+                    f"strides {router_logits.strides}"
+                )
         if m > self.max_tokens:
             raise ValueError(
                 f"x: n_tokens {m} exceeds max_tokens={self.max_tokens}; build the layer with a "
@@ -285,10 +296,10 @@ class MoELayer:
                 return out
             return result
         cupy = require_cupy()
-        # The kernels read C-contiguous rows: other layouts are copied once (CuPy keeps
-        # NumPy's F order on upload).
-        xd = cupy.ascontiguousarray(x)
-        ld = cupy.ascontiguousarray(router_logits)
+        # NumPy inputs of any layout are uploaded C-contiguous (CuPy would keep F order);
+        # CuPy inputs are used in place (check_inputs has checked their layout).
+        xd = x if on_device else cupy.asarray(np.ascontiguousarray(x))
+        ld = router_logits if on_device else cupy.asarray(np.ascontiguousarray(router_logits))
         if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
             ld = ld.astype(np.float32)
         if out is not None:

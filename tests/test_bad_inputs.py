@@ -1113,7 +1113,7 @@ def _gpu_gemv_cases() -> list[Case]:
             lambda: f1(g().x, routing=ROUTING)),
         bad("fc1-out-shape", ValueError, "^out:", lambda: f1(g().x, out=_gz((rows, I + 1), BF16))),
         bad("fc1-out-dtype", ValueError, "^out:", lambda: f1(g().x, out=_gz((rows, I), "f2"))),
-        bad("fc1-out-numpy", ValueError, "^out:",
+        bad("fc1-out-numpy", TypeError, "^out:",
             lambda: f1(g().x, out=np.zeros((rows, I), BF16))),
         bad("fc1-out-noncontiguous", ValueError, "^out:",
             lambda: f1(g().x, out=_gz((rows, 2 * I), BF16)[:, ::2])),
