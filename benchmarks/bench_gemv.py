@@ -24,6 +24,7 @@ The floor is 4.5 TB/s (H200 HBM3e read); the measured device-to-device copy band
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -35,6 +36,7 @@ import ml_dtypes
 import numpy as np
 
 from cupymoe import gemv
+from cupymoe._timing import capture, median_event_us
 from cupymoe.formats import Fp4Format
 from cupymoe.presets import PRESETS, LayerShape
 from cupymoe.tune import device_name, random_fp4_gpu
@@ -61,32 +63,9 @@ def _row_window() -> int:
 
 def time_fn(fn: Callable[[], None], *, graph: bool, warmup: int, repeats: int) -> float:
     """Median µs of one ``fn()`` (as a replayed CUDA graph when ``graph``), by CUDA events."""
-    cupy = _cupy()
-    cupy.cuda.Device().synchronize()  # inputs made on the legacy stream are ready
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()  # eager once: compiles and loads every kernel outside the capture
-        stream.synchronize()
-        if graph:
-            stream.begin_capture()
-            try:
-                fn()
-            finally:
-                captured = stream.end_capture()
-            run = lambda: captured.launch(stream)  # noqa: E731
-        else:
-            run = fn
-        for _ in range(warmup):
-            run()
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(repeats):
-            start.record(stream)
-            run()
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-    return statistics.median(times)
+    stream = _cupy().cuda.Stream(non_blocking=True)
+    run = functools.partial(capture(fn, stream).launch, stream) if graph else fn
+    return median_event_us(run, stream, repeats=repeats, warmup=warmup)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 20) -> float:

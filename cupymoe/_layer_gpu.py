@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ._backend import require_cupy
+from ._timing import capture, median_event_us
 from .finalize import finalize
 from .gemv import ROW_WINDOW, fc1, fc2, prepare_fc1, prepare_fc2
 from .routing import Routing, route
@@ -208,41 +209,14 @@ def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> di
     cupy = require_cupy()
     out = cupy.empty((x.shape[0], device.layer.hidden), x.dtype)
     calls = device.stage_calls(x, logits, out)
-    if not device.capturable(int(x.shape[0])):  # batched path: time eagerly
-        return {name: _time_eager(call, repeats) for name, call in calls}
     stream = cupy.cuda.Stream(non_blocking=True)
-    times: dict[str, float] = {}
+    if not device.capturable(int(x.shape[0])):  # batched path: time the eager calls
+        return {name: median_event_us(call, stream, repeats=repeats) for name, call in calls}
     with stream:
-        for _, call in calls:
+        for _, call in calls:  # every stage once, in order: later stages read earlier outputs
             call()
-        graphs = []
-        for name, call in calls:
-            stream.begin_capture()
-            try:
-                call()
-            finally:
-                graphs.append((name, stream.end_capture()))
-        for name, graph in graphs:
-            times[name] = _time_replays(functools.partial(graph.launch, stream), stream, repeats)
-    return times
-
-
-def _time_replays(launch: Callable[[], None], stream: Any, repeats: int) -> float:
-    cupy = require_cupy()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(3):
-        launch()
-    samples = []
-    for _ in range(repeats):
-        start.record(stream)
-        launch()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(samples))
-
-
-def _time_eager(call: Callable[[], Any], repeats: int) -> float:
-    cupy = require_cupy()
-    stream = cupy.cuda.get_current_stream()
-    return _time_replays(call, stream, repeats)
+    graphs = [(name, capture(call, stream)) for name, call in calls]
+    return {
+        name: median_event_us(functools.partial(graph.launch, stream), stream, repeats=repeats)
+        for name, graph in graphs
+    }

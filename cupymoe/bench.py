@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._backend import require_cupy
+from ._timing import median_event_us
 from .moe import MoELayer
 from .presets import LayerShape
 from .routing import route_ref
@@ -120,22 +121,6 @@ def _random_layers(shape: LayerShape, n_layers: int, seed: int, max_tokens: int)
     return layers
 
 
-def _median_us(launch: Callable[[], None], stream: Any, repeats: int, warmup: int = 3) -> float:
-    cupy = require_cupy()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(warmup):
-        launch()
-    stream.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start.record(stream)
-        launch()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3)
-    return float(np.median(samples))
-
-
 def bench_preset(
     shape: LayerShape,
     tokens: Sequence[int],
@@ -168,17 +153,19 @@ def bench_preset(
         if layers[0]._device().capturable(m):
             mode = "graph"
             whole = record_graph(layers, m, dtype, chain=False, inputs=(xd, ld))
-            total = _median_us(whole.replay, whole.stream, repeats)
+            total = median_event_us(whole.replay, whole.stream, repeats=repeats)
             stages = {}
             for stage in STAGES:
                 g = record_graph(layers, m, dtype, chain=False, stages=(stage,), inputs=(xd, ld))
-                stages[stage] = _median_us(g.replay, g.stream, repeats) / n_layers
+                stages[stage] = median_event_us(g.replay, g.stream, repeats=repeats) / n_layers
                 del g
             del whole
         else:
             mode = "eager"
             stream = cupy.cuda.get_current_stream()
-            total = _median_us(_eager_stack(layers, xd, ld), stream, max(3, repeats // 5), 1)
+            total = median_event_us(
+                _eager_stack(layers, xd, ld), stream, repeats=max(3, repeats // 5), warmup=1
+            )
             stages = {}
         results.append(
             BenchResult(

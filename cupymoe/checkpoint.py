@@ -43,7 +43,7 @@ import ml_dtypes
 import numpy as np
 
 from ._backend import to_numpy
-from .formats import Fp4Experts, Fp4Format, _parse_enum
+from .formats import Fp4Experts, Fp4Format, parse_enum
 
 # fmt: off
 __all__ = [
@@ -372,7 +372,7 @@ class CheckpointNaming(enum.Enum):
     @classmethod
     def parse(cls, value: str | CheckpointNaming, name: str = "naming") -> CheckpointNaming:
         """``CheckpointNaming`` from a member or its value; ``ValueError`` listing them."""
-        return _parse_enum(cls, value, name)
+        return parse_enum(cls, value, name)
 
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

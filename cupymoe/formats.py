@@ -273,7 +273,9 @@ def from_pair_interleaved(packed: Any) -> np.ndarray:
 
 
 # ---- formats and scale rules -------------------------------------------------------------------
-def _parse_enum(cls: Any, value: Any, name: str) -> Any:
+def parse_enum(cls: Any, value: Any, name: str) -> Any:
+    """Member of enum ``cls`` from a member or its (case-insensitive) value; ``ValueError``
+    naming ``name`` and the valid values otherwise."""
     if isinstance(value, cls):
         return value
     if isinstance(value, str):
@@ -319,7 +321,7 @@ class Fp4Format(enum.Enum):
 
         Raises ``ValueError`` listing the valid names otherwise.
         """
-        return _parse_enum(cls, value, name)
+        return parse_enum(cls, value, name)
 
 
 class MxScaleRule(enum.Enum):
@@ -334,7 +336,7 @@ class MxScaleRule(enum.Enum):
     @classmethod
     def parse(cls, value: str | MxScaleRule, name: str = "mx_scale_rule") -> MxScaleRule:
         """``MxScaleRule`` from a member or its name (``"ocp"``, ``"round_up"``)."""
-        return _parse_enum(cls, value, name)
+        return parse_enum(cls, value, name)
 
 
 # ---- quantizers ----------------------------------------------------------------------------------

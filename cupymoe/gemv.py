@@ -29,7 +29,7 @@ from ._compile import KernelSpec
 from ._launch import launch
 from .config import CHUNK, ROW_WINDOW, TILINGS, GemvConfig
 from .dequant import DeviceFp4
-from .formats import Fp4Experts, Fp4Format
+from .formats import Fp4Experts, Fp4Format, parse_enum
 from .routing import check_device_routing
 
 # fmt: off
@@ -57,13 +57,7 @@ class Activation(enum.Enum):
     @classmethod
     def parse(cls, value: str | Activation, name: str = "activation") -> Activation:
         """``Activation`` from a member or its value (case-insensitive)."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"{name}: expected one of {names}, got {value!r}") from None
+        return parse_enum(cls, value, name)
 
 
 _ACT_CODE = {Activation.SWIGLU: 1, Activation.GEGLU: 2, Activation.SWIGLU_OAI: 3}

@@ -39,6 +39,7 @@ import numpy as np
 from ._backend import is_cupy_array, require_cupy
 from ._compile import KernelSpec
 from ._launch import launch
+from .formats import parse_enum
 
 __all__ = [
     "Router",
@@ -79,15 +80,9 @@ class RoutingMethod(enum.Enum):
     SIGMOID_GROUPED = "sigmoid_grouped"
 
     @classmethod
-    def parse(cls, value: str | RoutingMethod) -> RoutingMethod:
-        """``RoutingMethod`` from its string value (``"softmax_topk"``, ...)."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            names = ", ".join(repr(m.value) for m in cls)
-            raise ValueError(f"routing: expected one of {names}, got {value!r}") from None
+    def parse(cls, value: str | RoutingMethod, name: str = "routing") -> RoutingMethod:
+        """``RoutingMethod`` from a member or its string value (``"softmax_topk"``, ...)."""
+        return parse_enum(cls, value, name)
 
 
 def _int(name: str, value: Any, *, optional: bool = False) -> int | None:

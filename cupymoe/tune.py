@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import pathlib
-import statistics
 import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -32,6 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from ._backend import require_cupy
+from ._timing import capture, median_event_us
 from .formats import Fp4Experts, Fp4Format
 
 if TYPE_CHECKING:  # config.py imports this module: no runtime import back
@@ -308,27 +308,10 @@ def count_trials(shapes: Sequence[tuple[int, int]], *, fmt: Any, rows_list: Iter
 
 def _time_graph(calls: Callable[[], None], n_calls: int, *, warmup: int, repeats: int) -> float:
     """Median µs per call of ``calls`` (``n_calls`` GEMVs) captured into one CUDA graph."""
-    cupy = require_cupy()
-    cupy.cuda.Device().synchronize()  # inputs made on the legacy stream are ready
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        calls()  # eager once: compiles and loads the kernel outside the capture
-        stream.begin_capture()
-        try:
-            calls()
-        finally:
-            graph = stream.end_capture()
-        for _ in range(warmup):
-            graph.launch(stream)
-        start, end = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(repeats):
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / n_calls)
-    return statistics.median(times)
+    stream = require_cupy().cuda.Stream(non_blocking=True)
+    graph = capture(calls, stream)
+    launch = functools.partial(graph.launch, stream)
+    return median_event_us(launch, stream, repeats=repeats, warmup=warmup) / n_calls
 
 
 def _run_sets(
