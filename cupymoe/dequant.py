@@ -18,7 +18,7 @@ import numpy as np
 from ._backend import is_cupy_array, require_cupy
 from ._compile import KernelSpec
 from ._launch import launch
-from .formats import Fp4Experts, Fp4Format, to_pair_interleaved
+from .formats import ExpertShape, Fp4Experts, Fp4Format, to_pair_interleaved
 
 __all__ = ["OUT_DTYPES", "DeviceFp4", "dequantize", "dequantize_ref", "kernel_specs"]
 
@@ -38,7 +38,7 @@ _MAX_BLOCKS = 65536
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceFp4:
+class DeviceFp4(ExpertShape):
     """Block-scaled E2M1 expert weights on the GPU, in the plain checkpoint layout.
 
     ``w[e, n, k] = E2M1[nibble(e, n, k)] * scale(scales[e, n, k // block]) * global_scale[e]``.
@@ -97,31 +97,6 @@ class DeviceFp4:
             global_scale=cupy.ascontiguousarray(cupy.asarray(w.global_scale, dtype=cupy.float32)),
             pair_interleaved=pair_interleaved,
         )
-
-    @property
-    def n_experts(self) -> int:
-        """E."""
-        return int(self.packed.shape[0])
-
-    @property
-    def n(self) -> int:
-        """Output rows N of each expert matrix."""
-        return int(self.packed.shape[1])
-
-    @property
-    def k(self) -> int:
-        """Reduction length K of each expert matrix."""
-        return 2 * int(self.packed.shape[2])
-
-    @property
-    def block_size(self) -> int:
-        """Elements per block scale along K (16 NVFP4, 32 MXFP4)."""
-        return int(self.format.block_size)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of packed codes, block scales and global scales."""
-        return int(self.packed.nbytes + self.scales.nbytes + self.global_scale.nbytes)
 
 
 def _out_dtype(out_dtype: Any) -> np.dtype:

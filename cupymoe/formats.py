@@ -391,8 +391,44 @@ def _check_array(value: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
     return view
 
 
+class ExpertShape:
+    """Shape properties shared by host (:class:`Fp4Experts`) and device
+    (:class:`~cupymoe.dequant.DeviceFp4`) expert weights: ``packed [E, N, K/2]``, ``scales``,
+    ``global_scale`` and ``format`` are attributes of the subclass."""
+
+    packed: Any
+    scales: Any
+    global_scale: Any
+    format: Fp4Format
+
+    @property
+    def n_experts(self) -> int:
+        """Number of experts E."""
+        return int(self.packed.shape[0])
+
+    @property
+    def n(self) -> int:
+        """Output rows per expert N."""
+        return int(self.packed.shape[1])
+
+    @property
+    def k(self) -> int:
+        """Input columns per expert K (E2M1 elements per row)."""
+        return 2 * int(self.packed.shape[2])
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block scale (16 for NVFP4, 32 for MXFP4)."""
+        return self.format.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed codes, block scales and global scales together."""
+        return int(self.packed.nbytes + self.scales.nbytes + self.global_scale.nbytes)
+
+
 @dataclass(frozen=True, eq=False, repr=False)
-class Fp4Experts:
+class Fp4Experts(ExpertShape):
     """Block-scaled E2M1 weights of ``n_experts`` experts, each ``[n, k]`` (host NumPy arrays).
 
     ``w[e, n, k] = E2M1[nib(e, n, k)] * scale(scales[e, n, k // block]) * global_scale[e]``
@@ -463,31 +499,6 @@ class Fp4Experts:
             f"Fp4Experts(format={self.format.value}, n_experts={self.n_experts}, n={self.n}, "
             f"k={self.k})"
         )
-
-    @property
-    def n_experts(self) -> int:
-        """Number of experts E."""
-        return int(self.packed.shape[0])
-
-    @property
-    def n(self) -> int:
-        """Output rows per expert N."""
-        return int(self.packed.shape[1])
-
-    @property
-    def k(self) -> int:
-        """Input columns per expert K (E2M1 elements per row)."""
-        return 2 * int(self.packed.shape[2])
-
-    @property
-    def block_size(self) -> int:
-        """Elements per block scale (16 for NVFP4, 32 for MXFP4)."""
-        return self.format.block_size
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of packed codes, block scales and global scales together."""
-        return int(self.packed.nbytes + self.scales.nbytes + self.global_scale.nbytes)
 
     @classmethod
     def quantize(
