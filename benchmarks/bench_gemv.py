@@ -90,8 +90,11 @@ def n_layers_for(shape: LayerShape, min_layers: int = 2, max_layers: int = 64) -
     return max(min_layers, min(max_layers, math.ceil(4 * L2_BYTES / active)))
 
 
-def build_stack(shape: LayerShape, n_layers: int, seed: int) -> list[tuple[Any, Any]]:
-    """``n_layers`` x (PreparedFc1, PreparedFc2) with distinct random weights."""
+def build_stack(
+    shape: LayerShape, n_layers: int, seed: int, *, pair: bool = True
+) -> list[tuple[Any, Any]]:
+    """``n_layers`` x (PreparedFc1, PreparedFc2) with distinct random weights (nibble order
+    pair-interleaved, the library's default, or plain)."""
     e, h, i, fmt = shape.n_experts, shape.hidden, shape.intermediate, shape.format
     rng = np.random.default_rng(seed)
     stack = []
@@ -103,8 +106,8 @@ def build_stack(shape: LayerShape, n_layers: int, seed: int) -> list[tuple[Any, 
         def bias(n: int) -> np.ndarray | None:
             return rng.standard_normal((e, n)).astype(np.float32) * 0.1 if shape.biases else None
 
-        fc1 = gemv.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i))
-        fc2 = gemv.prepare_fc2(down, bias=bias(h))
+        fc1 = gemv.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i), pair_interleaved=pair)
+        fc2 = gemv.prepare_fc2(down, bias=bias(h), pair_interleaved=pair)
         stack.append((fc1, fc2))
         del gate, up, down
     return stack
@@ -145,7 +148,13 @@ def _stack_calls(
 
 
 def bench_preset(
-    shape: LayerShape, tokens: list[int], *, layers: int | None, repeats: int, seed: int
+    shape: LayerShape,
+    tokens: list[int],
+    *,
+    layers: int | None,
+    repeats: int,
+    seed: int,
+    pair: bool = True,
 ) -> list[dict[str, Any]]:
     """Rows of results (one per token count) for one preset."""
     cupy = _cupy()
@@ -153,7 +162,7 @@ def bench_preset(
     n_layers = layers or n_layers_for(shape)
     h, i, k = shape.hidden, shape.intermediate, shape.top_k
     print(f"[{shape.name}] building {n_layers} layers of random weights ...", file=sys.stderr)
-    stack = build_stack(shape, n_layers, seed)
+    stack = build_stack(shape, n_layers, seed, pair=pair)
     act = gemv.ActivationSpec(gemv.Activation(shape.activation))
     rng = np.random.default_rng(seed + 1)
     rows_out = []
@@ -228,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed replays (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
+    parser.add_argument(
+        "--order", choices=("pair", "plain"), default="pair", help="nibble order of the weights"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 20:
         parser.error("--repeats: at least 20 replays")
@@ -242,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         rows += bench_preset(
-            PRESETS[name], tokens, layers=args.layers, repeats=args.repeats, seed=args.seed
+            PRESETS[name],
+            tokens,
+            layers=args.layers,
+            repeats=args.repeats,
+            seed=args.seed,
+            pair=args.order == "pair",
         )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

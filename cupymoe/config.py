@@ -1,16 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 """Launch configurations of the FP4 GEMV kernels: a frozen dataclass and its threshold table.
 
-A GEMV block of ``threads`` threads owns ``cta_n`` weight rows of one expert (FC2: ``cta_n``
-output columns; FC1: ``cta_n / 2`` columns, each with its gate and up row). Its threads form row
-groups of four weight rows; the ``lanes_k = threads * 4 / cta_n`` lanes of a group split K in
-chunks of 32 codes (one 16-byte load per row and chunk, two chunks in flight per lane) and reduce
-with a warp-shuffle butterfly. ``lanes_k`` changes the summation order: each config is bitwise
-deterministic, but two configs differ in the last bits.
+A GEMV block of ``threads`` threads (``threads / 32`` warps splitting K) owns ``cta_n`` weight
+rows of one expert, ``cta_n / 16`` tensor-core m-tiles (FC2: ``cta_n`` output columns; FC1:
+``cta_n / 2`` columns, each with its gate and up row). Larger tiles share each activation load
+among more weight rows; smaller tiles give more blocks to small problems. The warps' partial sums
+are added in a fixed order: each config is bitwise deterministic, two configs differ in the last
+bits.
 
 Selection order in :meth:`GemvConfig.for_problem`: the environment variable
 ``CUPYMOE_GEMV_CONFIG`` (``"cta_n=32,threads=128"``) > the tune cache
-(:func:`cupymoe.tune.lookup_tuned`) > the analytic table :data:`LANES_BY_CHUNKS`.
+(:func:`cupymoe.tune.lookup_tuned`) > the analytic table :data:`BLOCKS_FOR_CTA_N`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 from .formats import Fp4Format
 
-__all__ = ["ENV_GEMV_CONFIG", "LANES_BY_CHUNKS", "ROW_WINDOW", "TILINGS", "GemvConfig"]
+__all__ = ["BLOCKS_FOR_CTA_N", "ENV_GEMV_CONFIG", "ROW_WINDOW", "TILINGS", "GemvConfig"]
 
 #: Environment variable forcing one tiling for every GEMV call, e.g. ``"cta_n=32,threads=128"``.
 ENV_GEMV_CONFIG = "CUPYMOE_GEMV_CONFIG"
@@ -29,23 +29,23 @@ ENV_GEMV_CONFIG = "CUPYMOE_GEMV_CONFIG"
 #: Expanded rows above which fc1/fc2 switch to the batched (dequantize + cuBLAS) path.
 ROW_WINDOW = 64
 
-#: Codes per lane per load (16 bytes) and weight rows per row group: fixed by the kernel.
+#: Codes per lane per load (16 bytes): fixed by the kernel.
 CHUNK = 32
-ROWS_PER_GROUP = 4
 
 #: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them).
-#: 128 threads: 4 warps, 128 registers per thread -> 4 blocks (16 warps) per SM on sm_90.
+#: 4 warps, at most 128 registers per thread (``__launch_bounds__(128, 4)``): 16 warps per SM.
 TILINGS: tuple[tuple[int, int], ...] = ((16, 128), (32, 128), (64, 128))
 
-#: Analytic table: (largest number of 32-code chunks along K, lanes_k). Each lane keeps two chunks
-#: of its four rows in flight (8 x 16 B), so lanes_k ~ chunks / 2 puts the whole row in flight in
-#: one iteration while no lane idles. To be measured on the H200:
-#:  * chunks <= 16 (K <= 512, Qwen FC2): 8 lanes, 64 rows per block;
-#:  * chunks <= 32 (K <= 1024): 16 lanes;
-#:  * longer K (FC1 of every preset, gpt-oss / DeepSeek FC2): 32 lanes, 16 rows per block, which
-#:    also gives the most blocks for the small-N FC1 of Qwen (2 x 512 rows x 8 experts = 512).
-LANES_BY_CHUNKS: tuple[tuple[int, int], ...] = ((16, 8), (32, 16))
-_DEFAULT_LANES = 32
+#: Analytic table: (blocks the launch must have at least, cta_n), largest tile first; blocks =
+#: ceil(weight rows / cta_n) x active experts (weight rows: N, or 2N for FC1's gate + up). Measured
+#: on the H200 (``benchmarks/bench_gemv.py``, bf16, µs per call, cta_n 16 / 32 / 64; blocks at 64):
+#:  * Qwen FC1 M=1: 8.2 / 8.5 / 10.3 (128 blocks) -> 16; M=4: 21.7 / 21.3 / 20.6 (480) -> 64;
+#:  * Qwen FC2 M=1: 7.6 / 5.2 / 5.6 (256; 512 at 32) -> 32; M=4: 21.9 / 14.0 / 12.8 (960) -> 64;
+#:  * gpt-oss FC2 M=1: 13.8 / 13.2 / 16.7 (180; 360 at 32) -> 32;
+#:  * DeepSeek FC1 / FC2 M=1: 61.8 / 62.3 / 60.0 (512) and 35.6 / 33.7 / 32.9 (896) -> 64.
+#: (gpt-oss FC2 at M=4 / 8 runs 4-7 % faster at 32 than the 64 chosen here; ``cupymoe tune``.)
+BLOCKS_FOR_CTA_N: tuple[tuple[int, int], ...] = ((480, 64), (300, 32))
+_SMALLEST_CTA_N = 16
 _DEFAULT_THREADS = 128
 
 
@@ -67,11 +67,6 @@ class GemvConfig:
                 f"expected one of {list(TILINGS)}"
             )
 
-    @property
-    def lanes_k(self) -> int:
-        """Lanes that split K for one row group (a power of two <= 32)."""
-        return self.threads * ROWS_PER_GROUP // self.cta_n
-
     @classmethod
     def parse(cls, text: str, name: str = ENV_GEMV_CONFIG) -> GemvConfig:
         """``"cta_n=32,threads=128"`` -> ``GemvConfig(32, 128)``; ``ValueError`` naming ``name``."""
@@ -90,20 +85,34 @@ class GemvConfig:
             ) from None
 
     @staticmethod
-    def analytic(*, n: int, k: int, rows: int, fmt: Any) -> GemvConfig:
-        """The threshold-table choice (no environment, no cache); see :data:`LANES_BY_CHUNKS`.
+    def analytic(
+        *, n: int, k: int, rows: int, fmt: Any, gated: bool = False, n_experts: int | None = None
+    ) -> GemvConfig:
+        """The threshold-table choice (no environment, no cache); see :data:`BLOCKS_FOR_CTA_N`.
 
-        ``n`` and ``rows`` do not change the choice today: every tiling keeps 4 rows per group and
-        the row dimension is handled in registers, so only K decides how many lanes can work.
+        ``rows`` expanded rows touch at most ``min(rows, n_experts)`` experts (the table counts
+        that many); ``gated`` doubles the weight rows (FC1). ``k`` does not change the choice.
         """
         Fp4Format.parse(fmt, "fmt")
-        chunks = -(-int(k) // CHUNK)
-        lanes = next((lanes for limit, lanes in LANES_BY_CHUNKS if chunks <= limit), _DEFAULT_LANES)
-        return GemvConfig(_DEFAULT_THREADS * ROWS_PER_GROUP // lanes, _DEFAULT_THREADS)
+        weight_rows = int(n) * (2 if gated else 1)
+        active = int(rows) if n_experts is None else min(int(rows), int(n_experts))
+        for min_blocks, cta_n in BLOCKS_FOR_CTA_N:
+            if -(-weight_rows // cta_n) * active >= min_blocks:
+                return GemvConfig(cta_n, _DEFAULT_THREADS)
+        return GemvConfig(_SMALLEST_CTA_N, _DEFAULT_THREADS)
 
     @classmethod
     def for_problem(
-        cls, *, n: int, k: int, rows: int, fmt: Any, device_name: str, dtype: Any = None
+        cls,
+        *,
+        n: int,
+        k: int,
+        rows: int,
+        fmt: Any,
+        device_name: str,
+        dtype: Any = None,
+        gated: bool = False,
+        n_experts: int | None = None,
     ) -> GemvConfig:
         """The config for one GEMV call: environment > tune cache > analytic table.
 
@@ -118,6 +127,8 @@ class GemvConfig:
             GPU name (the tune-cache key); ``""`` skips the cache.
         dtype : dtype, optional
             Activation dtype (the tune-cache key); ``None`` skips the cache.
+        gated, n_experts : optional
+            FC1 (gate + up rows) and the expert count, for the analytic table.
         """
         env = os.environ.get(ENV_GEMV_CONFIG, "").strip()
         if env:
@@ -128,13 +139,10 @@ class GemvConfig:
             tuned = lookup_tuned(device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows)
             if tuned is not None:
                 return tuned
-        return cls.analytic(n=n, k=k, rows=rows, fmt=fmt)
+        return cls.analytic(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)
 
     @staticmethod
     def candidates(*, n: int, k: int, fmt: Any) -> list[GemvConfig]:
-        """Every tiling worth timing for the shape (lanes beyond the K chunks would idle)."""
+        """Every tiling worth timing for the shape: all of :data:`TILINGS` (each fits any N, K)."""
         Fp4Format.parse(fmt, "fmt")
-        chunks = -(-int(k) // CHUNK)
-        configs = [GemvConfig(c, t) for c, t in TILINGS]
-        useful = [c for c in configs if c.lanes_k <= max(chunks, min(x.lanes_k for x in configs))]
-        return useful or configs
+        return [GemvConfig(c, t) for c, t in TILINGS]

@@ -89,10 +89,12 @@ class DeviceFp4(ExpertShape):
     def from_experts(cls, w: Fp4Experts, *, pair_interleaved: bool = False) -> DeviceFp4:
         """Upload host weights (re-ordering the nibbles when ``pair_interleaved``)."""
         cupy = require_cupy()
-        packed = to_pair_interleaved(w.packed) if pair_interleaved else w.packed
+        packed = cupy.ascontiguousarray(cupy.asarray(w.packed, dtype=cupy.uint8))
+        if pair_interleaved:  # re-ordered on the GPU
+            packed = to_pair_interleaved(packed)
         return cls(
             format=w.format,
-            packed=cupy.ascontiguousarray(cupy.asarray(packed, dtype=cupy.uint8)),
+            packed=packed,
             scales=cupy.ascontiguousarray(cupy.asarray(w.scales, dtype=cupy.uint8)),
             global_scale=cupy.ascontiguousarray(cupy.asarray(w.global_scale, dtype=cupy.float32)),
             pair_interleaved=pair_interleaved,

@@ -241,15 +241,25 @@ def unpack_fp4(packed: Any) -> np.ndarray:
     return out
 
 
-def _permute_words(packed: Any, order: np.ndarray) -> np.ndarray:
-    codes = unpack_fp4(packed)
-    if codes.shape[-1] % 8:
+def _permute_words(packed: Any, order: np.ndarray) -> Any:
+    """Slot ``s`` of each 32-bit little-endian word gets the nibble of slot ``order[s]``.
+
+    Bit operations on the words: NumPy in, NumPy out; CuPy in, CuPy out (on the GPU).
+    """
+    from ._backend import is_cupy_array, require_cupy
+
+    xp = require_cupy() if is_cupy_array(packed) else np
+    packed = xp.ascontiguousarray(xp.asarray(packed, dtype=xp.uint8))
+    if packed.shape[-1] % 4:
         raise ValueError(
             f"packed: the pair-interleaved order needs K a multiple of 8 (last dimension a "
-            f"multiple of 4 bytes), got K = {codes.shape[-1]}"
+            f"multiple of 4 bytes), got K = {2 * packed.shape[-1]}"
         )
-    words = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
-    return pack_fp4(words[..., order].reshape(codes.shape))
+    words = packed.view("<u4")
+    out = xp.zeros_like(words)
+    for slot, source in enumerate(order):
+        out |= ((words >> np.uint32(4 * int(source))) & np.uint32(0xF)) << np.uint32(4 * slot)
+    return out.view(xp.uint8)
 
 
 def to_pair_interleaved(packed: Any) -> np.ndarray:

@@ -6,11 +6,12 @@
 of expert ``e`` (``expert_offsets[e] <= r < expert_offsets[e + 1]``) with
 ``t = sorted_rows[r] // top_k``.
 
-The kernels (``cuda/gemv_fp4.cu``) are expert-major: one block per (column tile, active expert)
-applies each decoded weight tile to all rows of its expert, so an expert's weights are read once
-per call. FC1 reads ``x`` in token order through ``sorted_rows`` (no expand launch). Above the row
-window (:data:`~cupymoe.config.ROW_WINDOW` expanded rows) the calls go to
-:mod:`cupymoe.batched` (dequantize + cuBLAS, not capturable).
+The kernels (``cuda/gemv_fp4.cu``) run on tensor cores (``mma.sync`` m16n8k16, weights decoded
+and block-scaled exactly in 16 bits, fp32 accumulation) and are expert-major: one block per
+(column tile, active expert) applies each decoded weight tile to all rows of its expert, so an
+expert's weights are read once per call. FC1 reads ``x`` in token order through ``sorted_rows``
+(no expand launch). Above the row window (:data:`~cupymoe.config.ROW_WINDOW` expanded rows)
+the calls go to :mod:`cupymoe.batched` (dequantize + cuBLAS, not capturable).
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ from .routing import check_device_routing
 
 # fmt: off
 __all__ = [
-    "ROW_WINDOW", "Activation", "ActivationSpec", "PreparedFc1", "PreparedFc2", "activation_ref",
-    "fc1", "fc1_ref", "fc2", "gemv_ref", "kernel_specs", "prepare_fc1", "prepare_fc2",
+    "DEFAULT_PAIR_INTERLEAVED", "ROW_WINDOW", "Activation", "ActivationSpec", "PreparedFc1",
+    "PreparedFc2", "activation_ref", "fc1", "fc1_ref", "fc2", "gemv_ref", "kernel_specs",
+    "mx_scale_shift", "prepare_fc1", "prepare_fc2", "tile_scales",
 ]
 # fmt: on
+
+#: Nibble order host weights are uploaded in: the pair-interleaved order decodes with shifts and
+#: masks (some as IMAD on the FMA pipe), the plain order with byte-permute lookups that all load
+#: the ALU pipe, which limits the GEMV; measured on the H200 (bf16, cta_n 64): Qwen3.6 FC1 at
+#: M = 4 / 8 takes 16.8 / 27.7 µs pair-interleaved vs 20.7 / 34.1 µs plain.
+DEFAULT_PAIR_INTERLEAVED = True
 
 _CTYPES = {np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16", np.dtype(np.float16): "__half"}
 _FORMAT_CODE = {Fp4Format.NVFP4: 0, Fp4Format.MXFP4: 1}
@@ -217,9 +225,11 @@ class PreparedFc1:
 
     ``kernel_gate`` / ``kernel_up`` are ``[E, I, chunks * 16]`` uint8: the plain packed arrays
     themselves when ``H % 32 == 0``, else copies zero-padded along K to a multiple of 32 codes.
-    ``kernel_scales[e, t, c, j, s]`` (uint8 ``[E, ceil(I / 2), chunks, 4 * 32 / block]``) holds the
-    scale bytes of chunk ``c`` for the group of columns ``2t, 2t+1`` in the order gate 2t, gate
-    2t+1, up 2t, up 2t+1 (block ``s`` of the chunk innermost): one 8- or 4-byte load per lane.
+    ``kernel_scales`` (uint8 ``[E, ceil(I / 8), chunks, 8 * 2 * 32 / block]``, see
+    :func:`tile_scales`) puts the scale bytes one lane needs per chunk (gate and up of one column)
+    side by side: one 4- or 2-byte load. ``scale_range`` is the (min, max) MXFP4 scale exponent
+    byte of gate and up (NaN bytes left out), ``None`` for NVFP4: it picks the kernel's power-of-two
+    scale shift (:func:`mx_scale_shift`).
     """
 
     gate: DeviceFp4
@@ -229,32 +239,35 @@ class PreparedFc1:
     kernel_scales: Any
     gate_bias: Any = None  # cupy float32 [E, I] or None (set together with up_bias)
     up_bias: Any = None
+    scale_range: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class PreparedFc2:
     """FC2 weights on the GPU: the plain :class:`DeviceFp4` + kernel layouts.
 
-    ``kernel_scales[e, t, c, j, s]`` (uint8 ``[E, ceil(H / 4), chunks, 4 * 32 / block]``) holds the
-    scale bytes of chunk ``c`` for rows ``4t .. 4t+3``; see :class:`PreparedFc1`.
+    ``kernel_scales`` is uint8 ``[E, ceil(H / 16), chunks, 8 * 2 * 32 / block]`` (rows ``g`` and
+    ``g + 8`` of each 16-row tile side by side); see :class:`PreparedFc1` and :func:`tile_scales`.
     """
 
     down: DeviceFp4
     kernel_packed: Any
     kernel_scales: Any
     bias: Any = None  # cupy float32 [E, H] or None
+    scale_range: tuple[int, int] | None = None
 
 
-def _device(w: Fp4Experts | DeviceFp4, name: str, pair_interleaved: bool) -> DeviceFp4:
+def _device(w: Fp4Experts | DeviceFp4, name: str, pair_interleaved: bool | None) -> DeviceFp4:
     if isinstance(w, DeviceFp4):
-        if w.pair_interleaved != pair_interleaved:
+        if pair_interleaved is not None and w.pair_interleaved != pair_interleaved:
             raise ValueError(
                 f"{name}: expected pair_interleaved={pair_interleaved}, got {w.pair_interleaved}"
             )
     elif not isinstance(w, Fp4Experts):
         raise TypeError(f"{name}: expected Fp4Experts or DeviceFp4, got {type(w).__name__}")
     else:
-        w = DeviceFp4.from_experts(w, pair_interleaved=pair_interleaved)
+        order = DEFAULT_PAIR_INTERLEAVED if pair_interleaved is None else pair_interleaved
+        w = DeviceFp4.from_experts(w, pair_interleaved=order)
     if w.packed.data.ptr % 16:  # the kernels load 16 bytes at a time
         raise ValueError(f"{name}.packed: expected a 16-byte aligned array")
     return w
@@ -280,27 +293,81 @@ def pad_packed(packed: Any, k: int) -> Any:
     return xp.ascontiguousarray(xp.pad(packed, ((0, 0), (0, 0), (0, pad))))
 
 
-def tile_scales(scales: list[Any], k: int, block: int, rows_per_mat: int) -> Any:
-    """Scale bytes ``[E, N, K/block]`` of each matrix re-tiled for the kernel.
+def tile_scales(scales: list[Any], k: int, block: int) -> Any:
+    """Scale bytes ``[E, N, K/block]`` re-tiled for the tensor-core GEMV (NumPy or CuPy).
 
-    Result ``[E, tiles, chunks, len(scales) * rows_per_mat * 32 / block]`` with
-    ``tiles = ceil(N / rows_per_mat)``: for tile ``t`` and chunk ``c``, the bytes of matrix ``m``,
-    row ``rows_per_mat * t + j``, block ``s`` of the chunk sit at ``(m * rows_per_mat + j) * 32 /
-    block + s`` (zero past N and past K). NumPy or CuPy in, same kind out.
+    ``scales`` is ``[gate, up]`` (FC1: a tile is 8 columns, its two halves are gate and up) or
+    ``[down]`` (FC2: a tile is 16 rows, its halves are rows 0-7 and 8-15). Result
+    ``[E, tiles, chunks, 8 * 2 * 32 / block]``: for tile ``t``, chunk ``c`` and lane row ``g``, the
+    bytes ``(g * 2 + half) * 32 / block + s`` are block ``s`` of the chunk in the half's row ``g``
+    (zero past N and past K), so a lane loads its 2 rows x 1-2 blocks in one go.
     """
+    if len(scales) not in (1, 2):
+        raise ValueError(f"scales: expected [gate, up] or [down], got {len(scales)} arrays")
     xp = _xp(scales[0])
     n_experts, n = scales[0].shape[:2]
     per_chunk = CHUNK // block
     chunks = _chunks(k)
-    tiles = -(-n // rows_per_mat)
+    rows = 16 // len(scales)  # rows of each matrix in one tile
+    tiles = -(-n // rows)
     parts = []
     for s in scales:
-        z = xp.zeros((n_experts, tiles * rows_per_mat, chunks * per_chunk), dtype=xp.uint8)
+        z = xp.zeros((n_experts, tiles * rows, chunks * per_chunk), dtype=xp.uint8)
         z[:, :n, : s.shape[2]] = s
-        z = z.reshape(n_experts, tiles, rows_per_mat, chunks, per_chunk)
-        parts.append(z.transpose(0, 1, 3, 2, 4))  # [E, tiles, chunks, rows, blocks]
-    tiled = xp.stack(parts, axis=3)  # [E, tiles, chunks, mats, rows, blocks]
-    return xp.ascontiguousarray(tiled).reshape(n_experts, tiles, chunks, -1)
+        parts.append(z.reshape(n_experts, tiles, rows // 8, 8, chunks, per_chunk))
+    halves = xp.concatenate(parts, axis=2)  # [E, tiles, 2, 8, chunks, blocks]
+    tiled = xp.ascontiguousarray(halves.transpose(0, 1, 4, 3, 2, 5))
+    return tiled.reshape(n_experts, tiles, chunks, -1)
+
+
+#: MXFP4: the interval the exponent byte plus the kernel's scale shift must stay in, per
+#: (activation dtype, pair-interleaved), so that every decoded ``code * 2^(s - 127 + shift)`` and
+#: its table entry are exact 16-bit numbers (normal for bf16); derived in ``cuda/gemv_fp4.cu``.
+_MX_INTERVALS = {
+    (np.dtype(ml_dtypes.bfloat16), False): (2, 252),
+    (np.dtype(ml_dtypes.bfloat16), True): (12, 138),
+    (np.dtype(np.float16), False): (104, 140),
+    (np.dtype(np.float16), True): (118, 142),
+}
+
+
+def mx_scale_shift(scale_range: tuple[int, int] | None, dtype: Any, pair: bool) -> int | None:
+    """The kernel's power-of-two scale shift for MXFP4 scale bytes in ``scale_range``.
+
+    ``0`` for NVFP4 (``scale_range`` None) and for every MXFP4 range that fits as it is; else the
+    shift closest to 0 that moves the range into the dtype's interval; ``None`` when the range is
+    wider than the interval (fp16 activations with scales spanning more than about 2^24-2^36):
+    the tensor-core GEMV cannot fold those scales exactly and the call takes the batched path.
+
+    >>> mx_scale_shift((120, 130), np.float16, False), mx_scale_shift((90, 100), np.float16, False)
+    (0, 14)
+    """
+    if scale_range is None:
+        return 0
+    lo, hi = scale_range
+    first, last = _MX_INTERVALS[(np.dtype(dtype), bool(pair))]
+    if hi - lo > last - first:
+        return None
+    return min(max(0, first - lo), last - hi)
+
+
+def _scale_range_host(scales: list[Any], fmt: Fp4Format) -> tuple[int, int] | None:
+    """(min, max) MXFP4 scale byte over ``scales`` (NumPy or CuPy) without the NaN byte 0xFF;
+    ``None`` for NVFP4. All-NaN (or empty) scales give ``(127, 127)``."""
+    if fmt is not Fp4Format.MXFP4:
+        return None
+    lo, hi = 255, 0
+    for s in scales:
+        xp = _xp(s)
+        b = s.reshape(-1)
+        finite = b[b != 255]  # 0xFF is NaN: it stays NaN whatever the shift
+        if finite.size:
+            lo, hi = min(lo, int(xp.min(finite))), max(hi, int(xp.max(finite)))
+    return (lo, hi) if lo <= hi else (127, 127)
+
+
+def _scale_range(*mats: DeviceFp4) -> tuple[int, int] | None:
+    return _scale_range_host([m.scales for m in mats], mats[0].format)
 
 
 def _device_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
@@ -322,11 +389,13 @@ def prepare_fc1(
     *,
     gate_bias: Any = None,
     up_bias: Any = None,
-    pair_interleaved: bool = False,
+    pair_interleaved: bool | None = None,
 ) -> PreparedFc1:
     """Upload FC1 (gate ``[E, I, H]`` and up ``[E, I, H]``) and build the kernel layouts once.
 
-    A bias given for only one of gate / up gets a zero bias for the other.
+    A bias given for only one of gate / up gets a zero bias for the other. ``pair_interleaved``:
+    the nibble order on the GPU; ``None`` keeps a :class:`DeviceFp4`'s own order and uploads
+    host weights in :data:`DEFAULT_PAIR_INTERLEAVED` order; ``True`` / ``False`` require it.
     """
     g = _device(gate, "gate", pair_interleaved)
     u = _device(up, "up", pair_interleaved)
@@ -342,19 +411,28 @@ def prepare_fc1(
             _device_bias(b, name, g.n_experts, g.n)
             for b, name in zip(biases, ("gate_bias", "up_bias"), strict=True)
         ]
-    scales = tile_scales([g.scales, u.scales], g.k, g.block_size, 2)
-    return PreparedFc1(g, u, pad_packed(g.packed, g.k), pad_packed(u.packed, u.k), scales, *biases)
+    scales = tile_scales([g.scales, u.scales], g.k, g.block_size)
+    return PreparedFc1(
+        g,
+        u,
+        pad_packed(g.packed, g.k),
+        pad_packed(u.packed, u.k),
+        scales,
+        gate_bias=biases[0],
+        up_bias=biases[1],
+        scale_range=_scale_range(g, u),
+    )
 
 
 def prepare_fc2(
-    down: Fp4Experts | DeviceFp4, *, bias: Any = None, pair_interleaved: bool = False
+    down: Fp4Experts | DeviceFp4, *, bias: Any = None, pair_interleaved: bool | None = None
 ) -> PreparedFc2:
-    """Upload FC2 (down ``[E, H, I]``) and build the kernel layouts once."""
+    """Upload FC2 (down ``[E, H, I]``) and build the kernel layouts once (``pair_interleaved`` as
+    in :func:`prepare_fc1`)."""
     d = _device(down, "down", pair_interleaved)
     b = None if bias is None else _device_bias(bias, "bias", d.n_experts, d.n)
-    return PreparedFc2(
-        d, pad_packed(d.packed, d.k), tile_scales([d.scales], d.k, d.block_size, 4), b
-    )
+    scales = tile_scales([d.scales], d.k, d.block_size)
+    return PreparedFc2(d, pad_packed(d.packed, d.k), scales, b, scale_range=_scale_range(d))
 
 
 # ---- GPU ops -----------------------------------------------------------------------------------
@@ -377,15 +455,30 @@ def _check_activations(a: Any, name: str, rows: int, width: int) -> np.dtype:
     return np.dtype(a.dtype)
 
 
-def _config(config: GemvConfig | None, w: DeviceFp4, rows: int, dtype: np.dtype) -> GemvConfig:
+def _config(
+    config: GemvConfig | None, w: DeviceFp4, rows: int, dtype: np.dtype, *, gated: bool
+) -> GemvConfig:
     if config is None:
         name = _device_name(require_cupy().cuda.Device().id)
         return GemvConfig.for_problem(
-            n=w.n, k=w.k, rows=rows, fmt=w.format, device_name=name, dtype=dtype
+            n=w.n,
+            k=w.k,
+            rows=rows,
+            fmt=w.format,
+            device_name=name,
+            dtype=dtype,
+            gated=gated,
+            n_experts=w.n_experts,
         )
     if not isinstance(config, GemvConfig):
         raise TypeError(f"config: expected a GemvConfig, got {type(config).__name__}")
     return config
+
+
+def _blocks(n: int, cols_per_tile: int, cfg: GemvConfig) -> int:
+    """Column blocks of a launch: tiles of ``cols_per_tile`` columns, ``cfg.cta_n / 16`` each."""
+    tiles = -(-n // cols_per_tile)
+    return -(-tiles // (cfg.cta_n // 16))
 
 
 def fc1(
@@ -422,10 +515,12 @@ def fc1(
 
     Notes
     -----
-    fp32 accumulation; block scales applied in fp32 per 16/32-code block, global scales (gate and
-    up separately) and biases in fp32, activation in fp32, one rounding to ``x.dtype``.
-    Capturable in a CUDA graph at or below the row window (no host read, no allocation with
-    ``out``). Bitwise deterministic for a given config.
+    Weights times block scales are exact 16-bit numbers (times a power of two); products and sums
+    in fp32 on tensor cores; global scales (gate and up separately), biases and the activation in
+    fp32; one rounding to ``x.dtype``. Capturable in a CUDA graph at or below the row window (no
+    host read, no allocation with ``out``). Bitwise deterministic for a given config. MXFP4 with
+    fp16 activations whose scales span more than :func:`mx_scale_shift` can fold exactly takes the
+    batched path.
     """
     if not isinstance(weights, PreparedFc1):
         raise TypeError(f"weights: expected PreparedFc1, got {type(weights).__name__}")
@@ -437,7 +532,8 @@ def fc1(
     dtype = _check_activations(x, "x", x.shape[0], g.k)
     n_tokens, top_k = check_device_routing(routing, n_tokens=int(x.shape[0]), n_experts=g.n_experts)
     rows = n_tokens * top_k
-    if rows > row_window:
+    shift = mx_scale_shift(weights.scale_range, x.dtype, g.pair_interleaved)
+    if rows > row_window or shift is None:
         from .batched import fc1_batched
 
         return fc1_batched(
@@ -453,7 +549,7 @@ def fc1(
     out = device_output(out, (rows, g.n), dtype)
     if rows == 0 or g.n == 0:
         return out
-    cfg = _config(config, g, rows, dtype)
+    cfg = _config(config, g, rows, dtype, gated=True)
     has_bias = weights.gate_bias is not None
     spec = KernelSpec(
         "gemv_fp4",
@@ -469,7 +565,7 @@ def fc1(
         ),
     )
     active = routing.active_experts
-    grid = (-(-g.n // (cfg.cta_n // 2)), int(active.shape[0]))
+    grid = (_blocks(g.n, 8, cfg), int(active.shape[0]))
     launch(
         spec,
         grid,
@@ -492,6 +588,7 @@ def fc1(
             np.int32(g.k),
             np.int32(_chunks(g.k)),
             np.int32(top_k),
+            np.int32(shift),
             np.float32(act.alpha),
             np.float32(act.limit),
         ),
@@ -537,14 +634,15 @@ def fc2(
     n_tokens, top_k = check_device_routing(routing, n_experts=w.n_experts)
     rows = n_tokens * top_k
     dtype = _check_activations(h, "h", rows, w.k)
-    if rows > row_window:
+    shift = mx_scale_shift(weights.scale_range, dtype, w.pair_interleaved)
+    if rows > row_window or shift is None:
         from .batched import fc2_batched
 
         return fc2_batched(h, w, routing, bias=weights.bias, out=out)
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
-    cfg = _config(config, w, rows, dtype)
+    cfg = _config(config, w, rows, dtype, gated=False)
     spec = KernelSpec(
         "gemv_fp4",
         "gemv_fc2",
@@ -560,7 +658,7 @@ def fc2(
     active = routing.active_experts
     launch(
         spec,
-        (-(-w.n // cfg.cta_n), int(active.shape[0])),
+        (_blocks(w.n, 16, cfg), int(active.shape[0])),
         cfg.threads,
         (
             h,
@@ -575,6 +673,7 @@ def fc2(
             np.int32(w.n),
             np.int32(w.k),
             np.int32(_chunks(w.k)),
+            np.int32(shift),
         ),
     )
     return out

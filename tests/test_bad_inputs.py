@@ -1143,7 +1143,7 @@ def _gpu_gemv_cases() -> list[Case]:
         bad("prepare_fc1-up-shape", ValueError, "^up:", lambda: prepare_fc1(GATE, gate48)),
         bad("prepare_fc1-up-format", ValueError, "^up:", lambda: prepare_fc1(GATE, MX_GATE)),
         bad("prepare_fc1-pair_interleaved-mismatch", ValueError, "^gate:",
-            lambda: prepare_fc1(g().fc1w.gate, UP, pair_interleaved=True)),
+            lambda: prepare_fc1(g().fc1w.gate, UP, pair_interleaved=False)),
         bad("prepare_fc1-gate_bias-shape", ValueError, "^gate_bias:",
             lambda: prepare_fc1(GATE, UP, gate_bias=np.zeros((E, I + 1), np.float32))),
         bad("prepare_fc1-gate_bias-int", TypeError, "^gate_bias:",

@@ -19,8 +19,8 @@ def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_tiling_is_a_valid_config() -> None:
     for cta_n, threads in TILINGS:
         c = GemvConfig(cta_n, threads)
-        assert c.lanes_k in (1, 2, 4, 8, 16, 32)
-        assert threads % c.lanes_k == 0 and threads % 32 == 0
+        assert c.cta_n % 16 == 0 and threads % 32 == 0 and threads >= 64  # m-tiles, 2+ warps
+        assert c.cta_n // 16 * 32 <= threads  # one epilogue lane per (m-tile, lane)
 
 
 @pytest.mark.parametrize("cta_n, threads", [(8, 128), (16, 64), (32, 100), (0, 128)])
@@ -41,27 +41,31 @@ def test_frozen() -> None:
         GemvConfig(16, 128).cta_n = 32  # type: ignore[misc]
 
 
-# (n, k) -> expected lanes: K <= 512 -> 8, K <= 1024 -> 16, longer -> 32 (chunks of 32 codes).
+# (n, k, rows, gated, n_experts) -> cta_n: blocks = ceil(rows_w / cta_n) * min(rows, E), 64 at
+# >= 480 blocks, else 32 at >= 300, else 16 (the measured presets of BLOCKS_FOR_CTA_N).
 @pytest.mark.parametrize(
-    "n, k, lanes",
+    "n, k, rows, gated, n_experts, cta_n",
     [
-        (2048, 512, 8),  # Qwen FC2
-        (512, 2048, 32),  # Qwen FC1 (n per matrix)
-        (2880, 2880, 32),  # gpt-oss FC1 / FC2
-        (7168, 2048, 32),  # DeepSeek FC2
-        (2048, 7168, 32),  # DeepSeek FC1
-        (64, 16, 8),  # smallest NVFP4 K: one (padded) chunk
-        (64, 1024, 16),
-        (64, 1040, 32),  # 33 chunks
-        (64, 528, 16),  # 17 chunks
+        (512, 2048, 8, True, 256, 16),  # Qwen FC1 M=1: 128 blocks at 64, 256 at 32
+        (512, 2048, 32, True, 256, 64),  # Qwen FC1 M=4: 480
+        (2048, 512, 8, False, 256, 32),  # Qwen FC2 M=1: 256 at 64, 512 at 32
+        (2048, 512, 32, False, 256, 64),  # Qwen FC2 M=4: 1024
+        (2880, 2880, 4, False, 32, 32),  # gpt-oss FC2 M=1: 180 at 64, 360 at 32
+        (2880, 2880, 4, True, 32, 32),  # gpt-oss FC1 M=1: 360 at 64
+        (2048, 7168, 8, True, 256, 64),  # DeepSeek FC1 M=1: 512
+        (7168, 2048, 8, False, 256, 64),  # DeepSeek FC2 M=1: 896
+        (64, 16, 64, False, 2, 16),  # 64 rows on 2 experts: 2 blocks whatever the tile
+        (7168, 2048, 64, False, None, 64),  # no expert count: rows bound the experts
     ],
 )
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_analytic_table(n: int, k: int, lanes: int, fmt: str) -> None:
-    for rows in (1, 8, 64):
-        c = GemvConfig.for_problem(n=n, k=k, rows=rows, fmt=fmt, device_name="")
-        assert c.lanes_k == lanes and c.threads == 128
-        assert c == GemvConfig.analytic(n=n, k=k, rows=rows, fmt=fmt)
+def test_analytic_table(
+    n: int, k: int, rows: int, gated: bool, n_experts: int | None, cta_n: int, fmt: str
+) -> None:
+    kw = dict(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)
+    c = GemvConfig.for_problem(**kw, device_name="")  # type: ignore[arg-type]
+    assert c == GemvConfig(cta_n, 128)
+    assert c == GemvConfig.analytic(**kw)  # type: ignore[arg-type]
 
 
 def test_bad_format_is_rejected() -> None:
@@ -131,6 +135,6 @@ def test_tune_cache_beats_table_and_env_beats_cache(
 def test_candidates(k: int) -> None:
     cands = GemvConfig.candidates(n=1024, k=k, fmt="mxfp4")
     assert cands and len(set(cands)) == len(cands)
-    chunks = -(-k // 32)
-    assert all(c.lanes_k <= max(chunks, 8) for c in cands)
-    assert GemvConfig.analytic(n=1024, k=k, rows=1, fmt="mxfp4") in cands
+    assert {(c.cta_n, c.threads) for c in cands} == set(TILINGS)
+    for rows in (1, 8, 64):
+        assert GemvConfig.analytic(n=1024, k=k, rows=rows, fmt="mxfp4") in cands

@@ -111,89 +111,226 @@ def test_reference_input_errors(rng: np.random.Generator) -> None:
         gemv_ref(x, w, np.array([0, 1, 3]), bias=np.zeros((2, 5)))
 
 
-# ---- the kernel's decode identity (CPU transcription of decode_word in gemv_fp4.cu) ---------
-def _decode_word(w: np.ndarray) -> np.ndarray:
-    """[..] uint32 words -> [.., 8] values (times 2^14), slot order, as the kernel computes them."""
-    w = w.astype(np.uint32)
-    keep = np.uint32(0x8E008E00)
-    even, odd = w & np.uint32(0x0F0F0F0F), w & np.uint32(0xF0F0F0F0)
-    pairs = [
-        ((even << 9) | (even << 12)) & keep,
-        ((odd << 5) | (odd << 8)) & keep,
-        ((even << 1) | (even << 4)) & keep,
-        ((odd >> 3) | odd) & keep,
-    ]
-    out = np.empty((*w.shape, 8))
-    for j, h in enumerate(pairs):
-        out[..., j] = (h & 0xFFFF).astype(np.uint16).view(np.float16).astype(np.float64)
-        out[..., j + 4] = (h >> 16).astype(np.uint16).view(np.float16).astype(np.float64)
-    return out * 2.0**14
+# ---- the kernel's decoders and layouts (CPU transcription of gemv_fp4.cu) ----------------------
+U32 = np.uint32
 
 
-def test_decode_word_identity(rng: np.random.Generator) -> None:
+def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """PTX prmt.b32 (default mode) on uint32 arrays."""
+    a, b, sel = np.broadcast_arrays(np.asarray(a, U32), np.asarray(b, U32), np.asarray(sel, U32))
+    src = np.stack([(v >> U32(8 * i)) & U32(0xFF) for v in (a, b) for i in range(4)])
+    out = np.zeros(a.shape, U32)
+    for i in range(4):
+        nib = (sel >> U32(4 * i)) & U32(0xF)
+        byte = np.take_along_axis(src, (nib & U32(7)).astype(np.intp)[None], 0)[0]
+        byte = np.where(nib & U32(8), np.where(byte & U32(0x80), U32(0xFF), U32(0)), byte)
+        out |= byte << U32(8 * i)
+    return out
+
+
+def _decode(w: np.ndarray, dtype: np.dtype, pair: bool) -> tuple[np.ndarray, int]:
+    """Decoder<T, pair>::run: uint32 words [n] -> 16-bit patterns [n, 8] in logical order, kExp."""
+    w = np.asarray(w, U32)
+    h = []
+    if not pair:
+        mag, sgn = w & U32(0x77777777), (w >> U32(3)) & U32(0x11111111)
+        for j in range(2):
+            sel, sg = mag >> U32(16 * j), sgn >> U32(16 * j)
+            signs = _prmt(U32(0x8000), U32(0), sg)
+            if dtype == np.float16:
+                hb = _prmt(U32(0x3E3C3800), U32(0x46444240), sel) | signs
+                h += [_prmt(hb, U32(0), U32(0x1404)), _prmt(hb, U32(0), U32(0x3424))]
+            else:
+                hb = _prmt(U32(0x3F3F3F00), U32(0x40404040), sel) | signs
+                lb = _prmt(U32(0xC0800000), U32(0xC0804000), sel)
+                h += [_prmt(lb, hb, U32(0x5140)), _prmt(lb, hb, U32(0x7362))]
+        exp = 0
+    elif dtype == np.float16:
+        keep = U32(0x8E008E00)
+        even, odd = w & U32(0x0F0F0F0F), w & U32(0xF0F0F0F0)
+        h = [
+            ((even << U32(9)) | (even << U32(12))) & keep,
+            ((odd << U32(5)) | (odd << U32(8))) & keep,
+            ((even << U32(1)) | (even << U32(4))) & keep,
+            ((odd >> U32(3)) | odd) & keep,
+        ]
+        exp = -14
+    else:
+        keep = U32(0x81C081C0)
+        s = [w & U32(0x000F000F << (4 * j)) for j in range(4)]
+        h = [
+            ((s[0] << U32(6)) | (s[0] << U32(12))) & keep,
+            ((s[1] << U32(2)) | (s[1] << U32(8))) & keep,
+            ((s[2] >> U32(2)) | (s[2] << U32(4))) & keep,
+            ((s[3] >> U32(6)) | s[3]) & keep,
+        ]
+        exp = -126
+    out = np.empty((w.shape[0], 8), np.uint16)
+    for j, reg in enumerate(h):
+        out[:, 2 * j] = (reg & U32(0xFFFF)).astype(np.uint16)
+        out[:, 2 * j + 1] = (reg >> U32(16)).astype(np.uint16)
+    return out, exp
+
+
+def _as_f64(bits: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return bits.astype(np.uint16).view(dtype).astype(np.float64)
+
+
+def _exact_in(values: np.ndarray, dtype: np.dtype, *, normal: bool) -> np.ndarray:
+    """Whether each float64 value is exactly a finite ``dtype`` number (normal or zero if asked)."""
+    with np.errstate(over="ignore"):
+        back = values.astype(dtype).astype(np.float64)
+    ok = (back == values) & np.isfinite(back)
+    if normal:
+        tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
+        ok &= (values == 0) | (np.abs(values) >= tiny)
+    return ok
+
+
+def _words_of(codes: np.ndarray, pair: bool) -> np.ndarray:
+    """codes [n, 8] (logical order) -> uint32 words, plain or pair-interleaved nibble order."""
+    slots = [0, 4, 1, 5, 2, 6, 3, 7] if pair else list(range(8))  # slot of logical element i
+    words = np.zeros(codes.shape[0], U32)
+    for i in range(8):
+        words |= codes[:, i].astype(U32) << U32(4 * slots[i])
+    return words
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_decoders_are_exact(dtype: np.dtype, pair: bool, rng: np.random.Generator) -> None:
     codes = np.concatenate(
         [
             np.repeat(np.arange(16, dtype=np.uint32), 8).reshape(16, 8),  # every code in every slot
             rng.integers(0, 16, size=(4096, 8), dtype=np.uint32),
         ]
     )
-    words = np.zeros(codes.shape[0], np.uint32)
-    for s in range(8):
-        words |= codes[:, s] << np.uint32(4 * s)
-    got = _decode_word(words)
+    bits, exp = _decode(_words_of(codes, pair), dtype, pair)
+    got = _as_f64(bits, dtype) * 2.0**-exp
     want = E2M1_VALUES[codes].astype(np.float64)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # -0 for code 0x8
 
 
-def _slot_of(i: int, pair: bool) -> int:  # slot_of<kPairInterleaved> in gemv_fp4.cu
-    return (i >> 1) + ((i & 1) << 2) if pair else i
+def _table_value(fmt: str, dtype: np.dtype, byte: np.ndarray, shift: int) -> np.ndarray:
+    """scale_bits<kFormat, T>: the table entry of each scale byte as float64 (T-rounded)."""
+    from cupymoe.formats import Fp4Format
+
+    v = Fp4Format.parse(fmt).decode_scales(byte.astype(np.uint8)).astype(np.float64) * 2.0**shift
+    with np.errstate(over="ignore"):
+        return v.astype(dtype).astype(np.float64)
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_block_scale_fold_is_exact(fmt: str, dtype: np.dtype, pair: bool) -> None:
+    """code * scale in 16 bits (mul2 of a decoded pair with the table) is exact for every code and
+    every scale byte in use: all 256 E4M3 bytes; for MXFP4 the widest byte range the shift of
+    mx_scale_shift accepts, at both ends of the exponent range."""
+    codes = np.repeat(np.arange(16, dtype=np.uint32)[:, None], 8, axis=1)
+    bits, exp = _decode(_words_of(codes, pair), dtype, pair)
+    decoded = _as_f64(bits[:, 0], dtype)  # code * 2^exp
+    table_shift = 116 if exp == -126 else 0
+    is_bf16 = dtype == BF16
+    if fmt == "nvfp4":
+        cases = [(np.array([b for b in range(256) if b & 0x7F != 0x7F]), 0)]
+    else:
+        first, last = gemv._MX_INTERVALS[(dtype, pair)]
+        width = last - first
+        cases = []
+        for lo in (0, 127 - width // 2, 254 - width):
+            shift = gemv.mx_scale_shift((lo, lo + width), dtype, pair)
+            assert shift is not None
+            cases.append((np.arange(lo, lo + width + 1), shift))
+        assert gemv.mx_scale_shift((0, width + 1), dtype, pair) is None  # one wider: batched
+    for scale_bytes, shift in cases:
+        table = _table_value(fmt, dtype, scale_bytes, table_shift + shift)
+        product = decoded[:, None] * table[None, :]  # exact in float64
+        assert _exact_in(table, dtype, normal=False).all()
+        assert _exact_in(product, dtype, normal=is_bf16).all()
+        from cupymoe.formats import Fp4Format
+
+        scales = Fp4Format.parse(fmt).decode_scales(scale_bytes.astype(np.uint8)).astype(np.float64)
+        want = E2M1_VALUES[np.arange(16)].astype(np.float64)[:, None] * scales[None, :]
+        post = -(exp + table_shift + shift)
+        np.testing.assert_array_equal(product * 2.0**post, want)
 
 
 def _emulate_kernel(
-    x: np.ndarray, mats: list[Fp4Experts], offsets: np.ndarray, rows_per_mat: int, pair: bool
+    x: np.ndarray, mats: list[Fp4Experts], offsets: np.ndarray, pair: bool, dtype: np.dtype
 ) -> list[np.ndarray]:
-    """The kernel's index math in NumPy: padded packed rows, tiled scales (byte g * S + b of the
-    tile's vector), slot order per nibble order, per-block scaling, global scale at the end."""
+    """The kernel's index math in NumPy: padded packed rows, scales from tile_scales at the byte a
+    lane (g, t) reads for its rows g / g + 8, the decoders, the scale table and the epilogue's
+    power of two. Returns the weight rows' dot products with x, per matrix."""
     w0 = mats[0]
     block, k, n = w0.block_size, w0.k, w0.n
     per_chunk = 32 // block
     packed = [gemv.pad_packed(to_pair_interleaved(m.packed) if pair else m.packed, k) for m in mats]
-    tiled = gemv.tile_scales([m.scales for m in mats], k, block, rows_per_mat)
-    table = w0.format.decode_scales(np.arange(256, dtype=np.uint8)).astype(np.float64)
+    tiled = gemv.tile_scales([m.scales for m in mats], k, block)
+    shift = gemv.mx_scale_shift(
+        gemv._scale_range_host([m.scales for m in mats], w0.format), dtype, pair
+    )
+    assert shift is not None
     chunks = packed[0].shape[2] // 16
     x_pad = np.zeros((x.shape[0], chunks * 32))
     x_pad[:, :k] = x
-    order = [_slot_of(i, pair) for i in range(8)]
+    rows_per_tile = 16 // len(mats)
     outs = [np.zeros((x.shape[0], n)) for _ in mats]
     for e in np.flatnonzero(np.diff(offsets)):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         for col in range(n):
-            tile, j = divmod(col, rows_per_mat)
+            tile, r = divmod(col, rows_per_tile)
             for m, mat in enumerate(mats):
+                half, g = (m, r) if len(mats) == 2 else divmod(r, 8)
                 words = np.ascontiguousarray(packed[m][e, col]).view("<u4")
-                values = _decode_word(words)[:, order].reshape(-1)  # logical k order
-                g = m * rows_per_mat + j
-                scale_bytes = tiled[e, tile, :, g * per_chunk : (g + 1) * per_chunk]
-                scales = np.repeat(table[scale_bytes.reshape(-1)], block)
-                dot = x_pad[lo:hi] @ (values * scales)
-                outs[m][lo:hi, col] = dot * float(mat.global_scale[e])
+                bits, exp = _decode(words, dtype, pair)
+                table_shift = 116 if exp == -126 else 0
+                row_bytes = tiled[
+                    e, tile, :, (g * 2 + half) * per_chunk : (g * 2 + half + 1) * per_chunk
+                ]
+                table = _table_value(
+                    w0.format.value, dtype, row_bytes.reshape(-1), table_shift + shift
+                )
+                a = _as_f64(bits.reshape(-1), dtype) * np.repeat(table, block)
+                post = 2.0 ** -(exp + table_shift + shift)
+                outs[m][lo:hi, col] = (x_pad[lo:hi] @ a) * post * float(mat.global_scale[e])
     return outs
 
 
 @pytest.mark.parametrize("fmt, k", [("nvfp4", 48), ("nvfp4", 64), ("mxfp4", 96)])
 @pytest.mark.parametrize("pair", [False, True])
-def test_kernel_layouts_emulated(fmt: str, k: int, pair: bool, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_kernel_layouts_emulated(
+    fmt: str, k: int, pair: bool, dtype: np.dtype, rng: np.random.Generator
+) -> None:
     from cupymoe.presets import random_fp4_experts
 
-    n, e = 7, 3  # N not a multiple of the 2- or 4-row tiles
+    n, e = 19, 3  # N not a multiple of the 8- or 16-row tiles
     mats = [random_fp4_experts(rng, e, n, k, fmt) for _ in range(2)]
     x = rng.standard_normal((5, k))
     offsets = np.array([0, 2, 2, 5])
-    for rows_per_mat, used in ((2, mats), (4, mats[:1])):  # FC1 (gate, up) and FC2 tilings
-        got = _emulate_kernel(x, used, offsets, rows_per_mat, pair)
+    for used in (mats, mats[:1]):  # FC1 (gate, up) and FC2 tilings
+        got = _emulate_kernel(x, used, offsets, pair, dtype)
         for m, out in zip(used, got, strict=True):
             np.testing.assert_allclose(out, gemv_ref(x, m, offsets), rtol=1e-12, atol=1e-12)
+
+
+def test_tile_scales_layout() -> None:
+    # FC2: [E=1, N=16, 2 blocks] -> tile 0, chunk 0, lane row g: bytes (row g, row g + 8)
+    s = np.arange(32, dtype=np.uint8).reshape(1, 16, 2)
+    t = gemv.tile_scales([s], 32, 16)
+    assert t.shape == (1, 1, 1, 32)
+    assert t[0, 0, 0, :8].tolist() == [0, 1, 16, 17, 2, 3, 18, 19]
+    # FC1: gate and up rows of the same column side by side; N = 9 -> 2 tiles, zero past N
+    g, u = (
+        np.arange(9, dtype=np.uint8)[None, :, None],
+        100 + np.arange(9, dtype=np.uint8)[None, :, None],
+    )
+    t = gemv.tile_scales([g, u], 32, 32)
+    assert t.shape == (1, 2, 1, 16)
+    assert t[0, 0, 0, :6].tolist() == [0, 100, 1, 101, 2, 102]
+    assert t[0, 1, 0, :4].tolist() == [8, 108, 0, 0]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -335,6 +472,44 @@ def test_fp16_large_activations_do_not_overflow(fmt: str, rng: np.random.Generat
     ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get())
     assert np.abs(ref).max() < 6e4
     assert_close(ref, out, max_rel=4e-3, rms_rel=2e-3, name="fp16 large x")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+@pytest.mark.parametrize("span", ["shifted", "too-wide"])
+def test_mxfp4_fp16_scale_range(span: str, pair: bool, rng: np.random.Generator) -> None:
+    """fp16 activations fold MXFP4 scales exactly only inside a window of exponents: scales near
+    2^-32 need the kernel's scale shift; a range wider than the window takes the batched path.
+    Both must match the reference (and the shift must really be used / the path really taken)."""
+    import cupy
+
+    fp16 = np.dtype(np.float16)
+    case = Case("mxfp4", fp16, pair, False, 48, 256, 4, 3, 2)
+    (down,), routing, _ = _setup(case, rng, n_mats=1, k=case.k, n=case.n)
+    scales = down.scales.astype(np.int64)
+    if span == "shifted":  # exponents ~ 2^-32: below the fp16 window, the shift moves them in
+        scales = scales - 30
+        down = dataclasses.replace(
+            down,
+            scales=scales.astype(np.uint8),
+            global_scale=np.full(case.n_experts, 2.0**30, np.float32),
+        )
+    else:  # one block at 2^-67 next to ordinary ones: no shift folds both exactly in fp16
+        scales[0, 0, 0] = 60
+        down = dataclasses.replace(down, scales=scales.astype(np.uint8))
+    prepared = gemv.prepare_fc2(down, pair_interleaved=pair)
+    shift = gemv.mx_scale_shift(prepared.scale_range, fp16, pair)
+    if span == "shifted":
+        assert shift is not None and shift > 0
+    else:
+        assert shift is None and gemv.mx_scale_shift(prepared.scale_range, BF16, pair) is not None
+    rows = case.n_tokens * case.top_k
+    h = rng.standard_normal((rows, case.k)).astype(fp16)
+    out = cupy.full((rows, case.n), np.nan, dtype=fp16)
+    gemv.fc2(cupy.asarray(h), prepared, routing, out=out)
+    ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get())
+    max_rel, rms_rel = tolerance_for(fp16)
+    assert_close(ref, out, max_rel=max_rel, rms_rel=rms_rel, name=f"fc2 {span}")
 
 
 @pytest.mark.gpu

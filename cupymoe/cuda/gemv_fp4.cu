@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// FP4 expert GEMV for decode: FC1 with the gated activation fused (gemv_fc1) and FC2 (gemv_fc2).
+// FP4 expert GEMV for decode on tensor cores: FC1 with the gated activation fused (gemv_fc1) and
+// FC2 (gemv_fc2).
 //
 //   FC2:  out[r, n] = sum_k x[r, k] * W[e, n, k] + bias[e, n]                 for rows r of expert e
 //   FC1:  out[r, n] = act(x[t, :] . Wg[e, n, :] + bg[e, n],  x[t, :] . Wu[e, n, :] + bu[e, n])
@@ -8,34 +9,41 @@
 // with W[e, n, k] = E2M1(nibble) * block_scale(e, n, k / kBlock) * global_scale[e].
 //
 // Expert-major schedule. grid = (column tiles, expert slots); a block reads e = active[slot]
-// (exit when -1) and applies every decoded weight tile to ALL rows of expert e, kMaxRows rows at a
-// time, so an expert's weights cross HBM once per call however many tokens chose it.
+// (exit when -1) and applies every weight tile it decodes to the rows of expert e, 8 rows per pass,
+// so an expert's weights cross HBM once per call however many tokens chose it.
 //
-// Block = kThreads threads = kGroups row groups x kLanesK K-lanes (lane_k = tid % kLanesK, inside
-// one warp). A row group owns 4 weight rows (FC2: 4 output columns; FC1: 2 columns, gate and up)
-// and its kLanesK lanes split K in chunks of 32 codes: one 16-byte load per weight row and chunk,
-// all loads of an iteration (4 rows x kUnroll chunks) issued before any decode. The lanes reduce
-// with a fixed xor-shuffle butterfly (deterministic, no atomics, no shared memory).
+// Tensor cores: mma.sync m16n8k16 with A = 16 weight rows x 16 codes (decoded and block-scaled in
+// 16 bits, exactly), B = 16 codes x 8 activation rows, fp32 accumulators. A block of kThreads
+// threads = kWarps warps owns kCtaN weight rows = kTiles m-tiles of 16; the warps split K. In a warp,
+// lane (g = lane / 4, t = lane % 4) loads 16 bytes (32 codes, one chunk) of weight rows g and g + 8
+// of every m-tile, chunk c = (j * kWarps + warp) * 4 + t, and the 64 bytes of x that match them for
+// activation row g. The order of k inside one mma is free as long as A and B agree: mma step 2q
+// (2q + 1) of a chunk takes codes 8q .. 8q + 3 (8q + 4 .. 8q + 7) of each lane's chunk, so every
+// operand comes straight from the lane's own registers (no shuffles, no shared memory).
+// FC1 m-tile rows 0-7 are the gate rows and 8-15 the up rows of the same 8 columns: a lane ends
+// with gate and up of the same (column, row) and applies the activation itself.
+// The warps' partial sums meet in shared memory and are added in a fixed order (deterministic).
 //
-// Numerics (fp32 accumulation everywhere):
-//  * decode: a shift and one LOP3 per PAIR of codes builds the fp16 bit pattern of the code
-//    times 2^-14 (the E2M1 exponent bias 1 vs fp16's 15; E2M1's one subnormal, 0.5, lands on an
-//    fp16 subnormal, exactly), then cvt.f32.f16. Exact.
-//  * code * x is exact in fp32; products of one scale block are summed in fp32, then multiplied by
-//    the block scale (decoded exactly from its byte through a 256-entry shared table) into the
-//    fp32 accumulator. The global scale (times 2^14) is applied once, in fp32, in the epilogue.
-//    No 16-bit product is ever formed, so large fp16 activations cannot overflow.
-//  * the summation order depends on kLanesK (the K split); a given config is bitwise
-//    deterministic, and the plain and pair-interleaved nibble orders give identical bits (the
-//    products are accumulated in logical k order in both).
+// Numerics, exact up to the fp32 accumulation:
+//  * decode: plain nibble order -> byte-permute (prmt) lookups, four codes per prmt (the bf16 and
+//    fp16 bit patterns of the 8 magnitudes, FORMATS.md); pair-interleaved order -> shift-and-mask
+//    (the code's bits land in the exponent/mantissa fields: code * 2^-14 in fp16, code * 2^-126 in
+//    bf16). Both give the pairs (e0, e1), (e2, e3), ... so the two orders feed identical products.
+//  * block scale: one 16-bit multiply per pair, code * scale * 2^s, with the 16-bit value of every
+//    scale byte in a 256-entry shared table. code * scale has at most 6 significant bits; the power
+//    2^s (a kernel argument for MXFP4, chosen on the host from the tensor's scale range) keeps every
+//    product a normal (bf16) or representable (fp16) number, so the multiply is exact.
+//  * products and sums in fp32 inside the tensor core; global scale (times 2^-s) in fp32 in the
+//    epilogue. No 16-bit product with an activation is ever formed: large fp16 x cannot overflow.
 #include "common.cuh"
 
 namespace {
 
-constexpr int kChunk = 32;         // codes per 16-byte weight load
-constexpr int kRowsPerGroup = 4;   // weight rows owned by one row group
-constexpr int kMaxRows = 2;        // activation rows held in registers (more: another pass)
-constexpr int kUnroll = 2;         // chunks in flight per K iteration
+constexpr int kChunk = 32;  // codes per 16-byte weight load
+// 4 blocks of 4 warps per SM (<= 128 registers): 16 warps x 2-4 KB of weights in flight per
+// iteration covers the ~32 KB per SM that 4.5 TB/s needs at ~1 us of latency. Without a floor
+// ptxas trades registers for spills (56 registers + spills) or for occupancy (168 registers).
+constexpr int kMinBlocks = 4;
 
 // 16-byte streaming load (weights are read once per call: keep L1 for the activations).
 __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
@@ -46,50 +54,131 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
     return v;
 }
 
-__device__ __forceinline__ float half_bits_to_float(uint32_t bits16) {
-    float f;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(f) : "h"((unsigned short)bits16));
-    return f;
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
 }
 
-// Eight codes of one little-endian word -> eight floats (value * 2^-14), indexed by nibble slot.
-// Pair j = (slot j, slot j + 4) shares one shift-and-mask: the slot's magnitude bits land on fp16
-// bits 9..11 (exponent low bits + top mantissa bit) and its sign on bit 15 of each half; masking
-// odd/even nibbles first keeps the neighbours out of the kept bits.
-__device__ __forceinline__ void decode_word(uint32_t w, float (&f)[8]) {
-    constexpr uint32_t kKeep = 0x8E008E00u;  // sign (15, 31) and magnitude (9-11, 25-27) bits
-    const uint32_t even = w & 0x0F0F0F0Fu;
-    const uint32_t odd = w & 0xF0F0F0F0u;
-    const uint32_t h[4] = {((even << 9) | (even << 12)) & kKeep, ((odd << 5) | (odd << 8)) & kKeep,
-                           ((even << 1) | (even << 4)) & kKeep, ((odd >> 3) | odd) & kKeep};
+// ---- decoders: one 32-bit word (8 codes) -> h[4] = 16-bit pairs (e0,e1) (e2,e3) (e4,e5) (e6,e7),
+// element 2i in the low half. kExp: the decoded value is code * 2^kExp.
+template <typename T, bool kPairInterleaved> struct Decoder;
+
+// Plain order (element i in nibble i). mag keeps 3 bits per nibble (bit 3 clear: prmt stays in
+// byte-select mode), sgn is 0/1 per nibble; one prmt looks up four magnitude bytes, one more the
+// four sign bytes.
+template <> struct Decoder<__half, false> {
+    static constexpr int kExp = 0;
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        const uint32_t mag = w & 0x77777777u;
+        const uint32_t sgn = (w >> 3) & 0x11111111u;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        f[j] = half_bits_to_float(h[j] & 0xFFFFu);
-        f[j + 4] = half_bits_to_float(h[j] >> 16);
+        for (int j = 0; j < 2; ++j) {
+            // fp16 high bytes of {0, .5, 1, 1.5, 2, 3, 4, 6}; the low bytes are all zero.
+            const uint32_t hb = prmt(0x3E3C3800u, 0x46444240u, mag >> (16 * j)) |
+                                prmt(0x00008000u, 0u, sgn >> (16 * j));
+            h[2 * j] = prmt(hb, 0u, 0x1404u);      // {0, hb0, 0, hb1}
+            h[2 * j + 1] = prmt(hb, 0u, 0x3424u);  // {0, hb2, 0, hb3}
+        }
     }
-}
-
-// Nibble slot of logical element i of a word: plain order i; SM80 pair-interleaved order stores
-// e0 e2 e4 e6 e1 e3 e5 e7 in slots 0..7. Compile-time: only the register choice changes.
-template <bool kPairInterleaved> __device__ __forceinline__ constexpr int slot_of(int i) {
-    return kPairInterleaved ? (i >> 1) + ((i & 1) << 2) : i;
-}
-
-// Eight activations (one 16-byte load) -> fp32, exact.
-__device__ __forceinline__ void widen(uint4 v, __nv_bfloat16, float (&x)[8]) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+};
+template <> struct Decoder<__nv_bfloat16, false> {
+    static constexpr int kExp = 0;
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        const uint32_t mag = w & 0x77777777u;
+        const uint32_t sgn = (w >> 3) & 0x11111111u;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        x[2 * i] = __uint_as_float(w[i] << 16);
-        x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+        for (int j = 0; j < 2; ++j) {
+            const uint32_t sel = mag >> (16 * j);
+            const uint32_t hb = prmt(0x3F3F3F00u, 0x40404040u, sel) |  // bf16 high bytes
+                                prmt(0x00008000u, 0u, sgn >> (16 * j));
+            const uint32_t lb = prmt(0xC0800000u, 0xC0804000u, sel);  // bf16 low bytes
+            h[2 * j] = prmt(lb, hb, 0x5140u);      // {lb0, hb0, lb1, hb1}
+            h[2 * j + 1] = prmt(lb, hb, 0x7362u);  // {lb2, hb2, lb3, hb3}
+        }
     }
+};
+
+// Pair-interleaved order: nibble slots hold e0 e2 e4 e6 e1 e3 e5 e7, so slots j and j + 4 are the
+// pair (e2j, e2j+1) and one shift pair moves both to their half: sign -> bit 15, magnitude -> the
+// exponent's low bits and the top mantissa bit. E2M1's subnormal 0.5 lands on a 16-bit subnormal.
+// Left shifts are written as multiplications: ptxas may then issue them as IMAD on the FMA pipe,
+// which is otherwise idle here, instead of the ALU pipe that the masks and LOP3s already load.
+template <> struct Decoder<__half, true> {
+    static constexpr int kExp = -14;  // fp16 bias 15 vs E2M1 bias 1
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        constexpr uint32_t kKeep = 0x8E008E00u;  // bits 15, 9-11 of each half
+        const uint32_t even = w & 0x0F0F0F0Fu;  // slots 0, 2, 4, 6
+        const uint32_t odd = w & 0xF0F0F0F0u;   // slots 1, 3, 5, 7
+        h[0] = ((even * 512u) | (even * 4096u)) & kKeep;  // << 9, << 12
+        h[1] = ((odd * 32u) | (odd * 256u)) & kKeep;      // << 5, << 8
+        h[2] = ((even * 2u) | (even * 16u)) & kKeep;      // << 1, << 4
+        h[3] = ((odd >> 3) | odd) & kKeep;
+    }
+};
+template <> struct Decoder<__nv_bfloat16, true> {
+    static constexpr int kExp = -126;  // bf16 bias 127 vs E2M1 bias 1
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        constexpr uint32_t kKeep = 0x81C081C0u;  // bits 15, 6-8 of each half
+        // Slot j: magnitude shift 6 - 4j, sign shift 12 - 4j; one pair of slots at a time (a bf16
+        // shift of 6 would carry a neighbouring nibble into the sign bit).
+        const uint32_t s0 = w & 0x000F000Fu, s1 = w & 0x00F000F0u;
+        const uint32_t s2 = w & 0x0F000F00u, s3 = w & 0xF000F000u;
+        h[0] = ((s0 * 64u) | (s0 * 4096u)) & kKeep;  // << 6, << 12
+        h[1] = ((s1 * 4u) | (s1 * 256u)) & kKeep;    // << 2, << 8
+        h[2] = ((s2 >> 2) | (s2 * 16u)) & kKeep;     // >> 2, << 4
+        h[3] = ((s3 >> 6) | s3) & kKeep;
+    }
+};
+
+// 16-bit pair multiply (exact here: see the header).
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b, __half) {
+    uint32_t d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
 }
-__device__ __forceinline__ void widen(uint4 v, __half, float (&x)[8]) {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        x[2 * i] = half_bits_to_float(w[i] & 0xFFFFu);
-        x[2 * i + 1] = half_bits_to_float(w[i] >> 16);
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b, __nv_bfloat16) {
+    uint32_t d;  // fma with -0: mul.bf16x2 needs sm_90, this form works from sm_80
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                    __half) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                    __nv_bfloat16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t bits16(__half v) { return __half_as_ushort(v); }
+__device__ __forceinline__ uint32_t bits16(__nv_bfloat16 v) { return __bfloat16_as_ushort(v); }
+
+// 16-bit pattern of 2^x built from integers (no fp32 arithmetic: the loader compiles with
+// -ftz=true, which would flush the fp32 subnormals 2^-127..2^-149). 0 below the smallest
+// subnormal, infinity above the largest power.
+__device__ __forceinline__ uint32_t pow2_bits(int x, __half) {
+    return x > 15 ? 0x7C00u : x >= -14 ? (uint32_t)(x + 15) << 10 : x >= -24 ? 1u << (x + 24) : 0u;
+}
+__device__ __forceinline__ uint32_t pow2_bits(int x, __nv_bfloat16) {
+    return x > 127 ? 0x7F80u : x >= -126 ? (uint32_t)(x + 127) << 7 : x >= -133 ? 1u << (x + 133) : 0u;
+}
+
+// Table entry of scale byte b: scale(b) * 2^shift as a 16-bit value (exact for the bytes in use).
+template <int kFormat, typename T> __device__ __forceinline__ uint32_t scale_bits(int b, int shift) {
+    if constexpr (kFormat == 0) {
+        // E4M3 (subnormals included) times 2^0 or 2^116 is a normal fp32: exact, then exact in T.
+        return bits16(cm::from_float<T>(ldexpf(cm::decode_e4m3(b), shift)));
+    } else {
+        if (b == 0xFF) return bits16(cm::from_float<T>(__int_as_float(0x7FC00000)));  // NaN
+        return pow2_bits(b - 127 + shift, T());
     }
 }
 
@@ -113,9 +202,9 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
 struct Params {
     const void* x;              // activations: [tokens, k] (FC1, token order) or [rows, k] (FC2)
     const int* row_source;      // FC1: expanded row -> token * top_k + slot; FC2: nullptr
-    const uint8_t* w0;          // FC2 weights, FC1 gate: [E, n, k_pad / 2]
+    const uint8_t* w0;          // FC2 weights, FC1 gate: [E, n, chunks * 16]
     const uint8_t* w1;          // FC1 up (same layout); FC2: nullptr
-    const uint8_t* scales;      // [E, tiles, chunks, 4 rows, 32 / kBlock] raw scale bytes
+    const uint8_t* scales;      // [E, tiles, chunks, 8, 2, 32 / kBlock] raw scale bytes
     const float* global0;       // [E] global scale of w0
     const float* global1;       // [E] global scale of w1 (FC1)
     const float* bias0;         // [E, n] float32 (kBias)
@@ -123,211 +212,232 @@ struct Params {
     const int* expert_offsets;  // [E + 1]
     const int* active;          // [slots] expert ids, -1 = no expert
     void* out;                  // [rows, n] of T, expanded order
-    int n_experts, n, k, chunks, top_k;
+    int n_experts, n, k, chunks, top_k, scale_shift;
     float alpha, limit;
 };
 
-// kAct 0 = FC2 (one matrix, 4 columns per group); 1..3 = FC1 (gate + up, 2 columns per group).
+// kAct 0 = FC2 (m-tile = 16 output columns); 1..3 = FC1 (m-tile = 8 columns x gate, up).
 template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, int kAct,
           bool kBias>
 __device__ __forceinline__ void gemv_body(const Params& p) {
-    constexpr int kLanesK = kThreads * kRowsPerGroup / kCtaN;
-    constexpr int kGroups = kThreads / kLanesK;
-    constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
-    constexpr int kBlocksPerChunk = kChunk / kBlock;       // 2 (NVFP4) or 1 (MXFP4)
-    constexpr int kWordsPerBlock = kBlock / 8;             // 2 or 4
-    constexpr int kScaleBytes = kRowsPerGroup * kBlocksPerChunk;  // 8 or 4: one vector load
+    using Dec = Decoder<T, kPairInterleaved>;
+    constexpr int kWarps = kThreads / 32;
+    constexpr int kTiles = kCtaN / 16;
     constexpr bool kGated = kAct != 0;
-    constexpr int kCols = kGated ? 2 : 4;                  // output columns per group
-    static_assert(kLanesK >= 1 && kLanesK <= 32 && (kLanesK & (kLanesK - 1)) == 0,
-                  "kLanesK = kThreads * 4 / kCtaN must be a power of two <= 32");
-    static_assert(kThreads % 32 == 0 && kGroups * kLanesK == kThreads, "bad block shape");
+    constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
+    constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g and g + 8: 4 (NVFP4) or 2 (MXFP4)
+    constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
+    constexpr int kColsPerTile = kGated ? 8 : 16;
+    static_assert(kWarps >= 2 && kThreads % 32 == 0 && kCtaN % 16 == 0 && kTiles * 32 <= kThreads,
+                  "kThreads: 2+ warps; kCtaN: a multiple of 16, at most 16 * kThreads / 32");
+    // bf16 pair-interleaved decodes code * 2^-126: the table carries 2^116 so A = code*scale*2^-10.
+    constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
 
-    __shared__ float scale_table[256];  // exact decode of every scale byte
+    __shared__ uint32_t table[256];                 // 16-bit scale value, in both halves
+    __shared__ float4 partial[kWarps][kTiles][32];  // per-warp sums, one float4 per lane
 
     const int e = p.active[blockIdx.y];
     if (e < 0 || e >= p.n_experts) return;  // uniform per block: before any barrier
-    for (int i = threadIdx.x; i < 256; i += kThreads) scale_table[i] = cm::decode_scale<kFormat>(i);
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+        const uint32_t b = scale_bits<kFormat, T>(i, kTableShift + p.scale_shift);
+        table[i] = b | (b << 16);
+    }
     __syncthreads();
 
-    const int lane_k = threadIdx.x % kLanesK;
-    const int group = blockIdx.x * kGroups + threadIdx.x / kLanesK;
-    const int col0 = group * kCols;  // first output column of this group
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int t = lane % 4;
     const int row_begin = p.expert_offsets[e];
     const int row_end = p.expert_offsets[e + 1];
     const size_t row_bytes = (size_t)p.chunks * (kChunk / 2);
+    const int tiles = (p.n + kColsPerTile - 1) / kColsPerTile;
 
-    // Weight row g of the group (g < 2: gate / w0, g >= 2: up / w1 for FC1). Columns past n are
-    // clamped to n - 1 (a valid row; their results are never stored).
-    const uint8_t* wrow[kRowsPerGroup];
+    // Weight rows g and g + 8 of each m-tile (FC1: gate and up of column 8 * tile + g). Rows past n
+    // are clamped to n - 1 (valid memory; their sums are never stored).
+    // (32-bit row and tile indices, not 64-bit pointers: fewer registers for the wide tilings.)
+    const uint8_t* const wbase0 = p.w0 + (size_t)e * p.n * row_bytes;
+    const uint8_t* const wbase1 = (kGated ? p.w1 : p.w0) + (size_t)e * p.n * row_bytes;
+    const uint8_t* const sbase = p.scales + ((size_t)e * tiles * p.chunks * 8 + g) * kScaleBytes;
+    int wrow[kTiles][2], stile[kTiles];
 #pragma unroll
-    for (int g = 0; g < kRowsPerGroup; ++g) {
-        const int col = min(col0 + (kGated ? (g & 1) : g), p.n - 1);
-        const uint8_t* base = (kGated && g >= 2) ? p.w1 : p.w0;
-        wrow[g] = base + ((size_t)e * p.n + col) * row_bytes;
+    for (int m = 0; m < kTiles; ++m) {
+        stile[m] = min(blockIdx.x * kTiles + m, tiles - 1);
+        wrow[m][0] = min(stile[m] * kColsPerTile + g, p.n - 1);
+        wrow[m][1] = kGated ? wrow[m][0] : min(stile[m] * kColsPerTile + g + 8, p.n - 1);
     }
-    const int tiles = (p.n + kCols - 1) / kCols;  // groups past n (last block) re-read the last
-    const uint8_t* srow = p.scales + ((size_t)e * tiles + min(group, tiles - 1)) * p.chunks * kScaleBytes;
 
-    for (int r0 = row_begin; r0 < row_end; r0 += kMaxRows) {
-        const int rows = min(kMaxRows, row_end - r0);  // uniform per block: no divergence
-        const T* xrow[kMaxRows];
-#pragma unroll
-        for (int r = 0; r < kMaxRows; ++r) {
-            const int row = min(r0 + r, row_end - 1);
-            const int src = p.row_source ? p.row_source[row] / p.top_k : row;
-            xrow[r] = static_cast<const T*>(p.x) + (size_t)src * p.k;
-        }
-        float acc[kRowsPerGroup][kMaxRows];
-#pragma unroll
-        for (int g = 0; g < kRowsPerGroup; ++g)
-#pragma unroll
-            for (int r = 0; r < kMaxRows; ++r) acc[g][r] = 0.0f;
+    for (int r0 = row_begin; r0 < row_end; r0 += 8) {
+        // This lane's activation row (B column g): FC1 reads x in token order.
+        const int row = r0 + g;
+        const bool row_live = row < row_end;
+        const int src = !row_live ? 0 : (p.row_source ? p.row_source[row] / p.top_k : row);
+        const T* xrow = static_cast<const T*>(p.x) + (size_t)src * p.k;
 
-        for (int c0 = lane_k; c0 < p.chunks; c0 += kUnroll * kLanesK) {
-            // All weight and scale loads of the iteration first (16-byte aligned: k_pad % 32 == 0).
-            uint4 wv[kUnroll][kRowsPerGroup];
-            uint32_t sv[kUnroll][kScaleBytes / 4];
+        float acc[kTiles][4];
+#pragma unroll
+        for (int m = 0; m < kTiles; ++m)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
+
+        for (int j = warp; j * 4 < p.chunks; j += kUnroll * kWarps) {  // uniform per warp
+            // All loads of the iteration first; chunks past the end read as zeros (an mma needs
+            // the whole warp, so the lanes past K still take part).
+            uint4 wv[kUnroll][kTiles][2];
+            uint32_t sv[kUnroll][kTiles];
+            uint4 xv[kUnroll][4];
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                const int c = c0 + u * kLanesK;
+                const int c = (j + u * kWarps) * 4 + t;
                 const bool live = c < p.chunks;
 #pragma unroll
-                for (int g = 0; g < kRowsPerGroup; ++g)
-                    wv[u][g] = live ? load_weights(wrow[g] + (size_t)c * (kChunk / 2))
-                                    : make_uint4(0u, 0u, 0u, 0u);
-                const uint8_t* sp = srow + (size_t)c * kScaleBytes;
-                if constexpr (kScaleBytes == 8) {
-                    const uint2 s = live ? __ldg(reinterpret_cast<const uint2*>(sp)) : make_uint2(0u, 0u);
-                    sv[u][0] = s.x;
-                    sv[u][1] = s.y;
-                } else {
-                    sv[u][0] = live ? __ldg(reinterpret_cast<const uint32_t*>(sp)) : 0u;
+                for (int m = 0; m < kTiles; ++m) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        wv[u][m][h] = live ? load_weights((h ? wbase1 : wbase0) +
+                                                          (size_t)wrow[m][h] * row_bytes + c * (kChunk / 2))
+                                           : make_uint4(0u, 0u, 0u, 0u);
+                    const uint8_t* sp = sbase + ((size_t)stile[m] * p.chunks + c) * 8 * kScaleBytes;
+                    if constexpr (kScaleBytes == 4) {
+                        sv[u][m] = live ? __ldg(reinterpret_cast<const uint32_t*>(sp)) : 0u;
+                    } else {
+                        sv[u][m] = live ? __ldg(reinterpret_cast<const uint16_t*>(sp)) : 0u;
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int k0 = c * kChunk + 8 * q;  // K padding past k reads zeros
+                    xv[u][q] = (live && row_live && k0 < p.k)
+                                   ? __ldg(reinterpret_cast<const uint4*>(xrow + k0))
+                                   : make_uint4(0u, 0u, 0u, 0u);
                 }
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
-                const int c = c0 + u * kLanesK;
-                if (u > 0 && c >= p.chunks) break;
-                const uint32_t words[kRowsPerGroup][4] = {
-                    {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w},
-                    {wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w},
-                    {wv[u][2].x, wv[u][2].y, wv[u][2].z, wv[u][2].w},
-                    {wv[u][3].x, wv[u][3].y, wv[u][3].z, wv[u][3].w}};
 #pragma unroll
-                for (int b = 0; b < kBlocksPerChunk; ++b) {
-                    float part[kRowsPerGroup][kMaxRows];  // this scale block's sums
+                for (int q = 0; q < 4; ++q) {
 #pragma unroll
-                    for (int g = 0; g < kRowsPerGroup; ++g)
+                    for (int m = 0; m < kTiles; ++m) {
+                        const uint32_t w0[4] = {wv[u][m][0].x, wv[u][m][0].y, wv[u][m][0].z,
+                                                wv[u][m][0].w};
+                        const uint32_t w1[4] = {wv[u][m][1].x, wv[u][m][1].y, wv[u][m][1].z,
+                                                wv[u][m][1].w};
+                        // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+                        const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+                        const uint32_t s0 = table[(sv[u][m] >> (8 * b0)) & 0xFFu];
+                        const uint32_t s1 = table[(sv[u][m] >> (8 * (b0 + kScaleBytes / 2))) & 0xFFu];
+                        uint32_t h0[4], h1[4];
+                        Dec::run(w0[q], h0);
+                        Dec::run(w1[q], h1);
 #pragma unroll
-                        for (int r = 0; r < kMaxRows; ++r) part[g][r] = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < kWordsPerBlock; ++q) {
-                        const int word = b * kWordsPerBlock + q;
-                        const int k0 = c * kChunk + word * 8;
-                        // x of the word for every present row (the K padding past k reads zeros).
-                        float xf[kMaxRows][8];
-#pragma unroll
-                        for (int r = 0; r < kMaxRows; ++r) {
-                            const bool present = (r == 0 || r < rows) && k0 < p.k;
-                            const uint4 xv = present ? __ldg(reinterpret_cast<const uint4*>(xrow[r] + k0))
-                                                     : make_uint4(0u, 0u, 0u, 0u);
-                            widen(xv, T(), xf[r]);
+                        for (int i = 0; i < 4; ++i) {
+                            h0[i] = mul2(h0[i], s0, T());
+                            h1[i] = mul2(h1[i], s1, T());
                         }
-#pragma unroll
-                        for (int g = 0; g < kRowsPerGroup; ++g) {
-                            float wf[8];
-                            decode_word(words[g][word], wf);
-#pragma unroll
-                            for (int r = 0; r < kMaxRows; ++r) {
-                                if (r > 0 && r >= rows) break;  // absent rows: no math
-#pragma unroll
-                                for (int i = 0; i < 8; ++i)  // logical k order in both nibble orders
-                                    part[g][r] = fmaf(wf[slot_of<kPairInterleaved>(i)], xf[r][i], part[g][r]);
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int g = 0; g < kRowsPerGroup; ++g) {
-                        const int byte = g * kBlocksPerChunk + b;
-                        const float s = scale_table[(sv[u][byte / 4] >> (8 * (byte % 4))) & 0xFFu];
-#pragma unroll
-                        for (int r = 0; r < kMaxRows; ++r) acc[g][r] = fmaf(part[g][r], s, acc[g][r]);
+                        // A fragment: {row g k 2t.., row g+8 k 2t.., row g k 2t+8.., row g+8 k 2t+8..}
+                        const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
+                        const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
+                        mma(acc[m], a_lo, xv[u][q].x, xv[u][q].y, T());
+                        mma(acc[m], a_hi, xv[u][q].z, xv[u][q].w, T());
                     }
                 }
             }
         }
 
-        // Butterfly over the K-lanes: afterwards every lane holds every total.
+        // Per-warp sums -> shared; thread i < kTiles * 32 adds the warps in order and stores.
+        if constexpr (kWarps > 1) {
 #pragma unroll
-        for (int off = kLanesK / 2; off > 0; off /= 2)
+            for (int m = 0; m < kTiles; ++m)
+                partial[warp][m][lane] = make_float4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
+            __syncthreads();
+        }
+        if (threadIdx.x < kTiles * 32) {
+            const int m = threadIdx.x / 32;
+            const int ln = threadIdx.x % 32;
+            float v[4];
+            if constexpr (kWarps > 1) {
+                float4 s = partial[0][m][ln];
 #pragma unroll
-            for (int g = 0; g < kRowsPerGroup; ++g)
-#pragma unroll
-                for (int r = 0; r < kMaxRows; ++r)
-                    acc[g][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[g][r], off, kLanesK);
-
-        // Epilogue: output (column j, row r) is written by lane (j * kMaxRows + r) % kLanesK.
-        T* out = static_cast<T*>(p.out);
-        const float g0 = p.global0[e] * 16384.0f;  // 2^14 undoes the decode's 2^-14 (exact)
-        const float g1 = kGated ? p.global1[e] * 16384.0f : 0.0f;
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) {
-            const int col = col0 + j;
-#pragma unroll
-            for (int r = 0; r < kMaxRows; ++r) {
-                if ((j * kMaxRows + r) % kLanesK != lane_k || col >= p.n || r0 + r >= row_end) continue;
-                float v;
-                if constexpr (kGated) {
-                    float gate = acc[j][r] * g0;
-                    float up = acc[j + 2][r] * g1;
-                    if constexpr (kBias) {
-                        gate += p.bias0[(size_t)e * p.n + col];
-                        up += p.bias1[(size_t)e * p.n + col];
-                    }
-                    v = activate<kAct>(gate, up, p.alpha, p.limit);
-                } else {
-                    v = acc[j][r] * g0;
-                    if constexpr (kBias) v += p.bias0[(size_t)e * p.n + col];
+                for (int w = 1; w < kWarps; ++w) {
+                    const float4 o = partial[w][m][ln];
+                    s.x += o.x;
+                    s.y += o.y;
+                    s.z += o.z;
+                    s.w += o.w;
                 }
-                out[(size_t)(r0 + r) * p.n + col] = cm::from_float<T>(v);
+                v[0] = s.x, v[1] = s.y, v[2] = s.z, v[3] = s.w;
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) v[i] = acc[m][i];
+            }
+            // C fragment: v[0], v[1] = (row g, act rows 2t, 2t+1); v[2], v[3] = (row g + 8, same).
+            const int tile = blockIdx.x * kTiles + m;
+            const int gg = ln / 4;
+            const int r = r0 + 2 * (ln % 4);
+            const int post = -(Dec::kExp + kTableShift + p.scale_shift);
+            const float f0 = ldexpf(p.global0[e], post);
+            T* out = static_cast<T*>(p.out);
+            if constexpr (kGated) {
+                const int col = tile * 8 + gg;
+                const float f1 = ldexpf(p.global1[e], post);
+                if (tile < tiles && col < p.n) {
+                    const float bg = kBias ? p.bias0[(size_t)e * p.n + col] : 0.0f;
+                    const float bu = kBias ? p.bias1[(size_t)e * p.n + col] : 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        if (r + i < row_end)
+                            out[(size_t)(r + i) * p.n + col] = cm::from_float<T>(
+                                activate<kAct>(v[i] * f0 + bg, v[2 + i] * f1 + bu, p.alpha, p.limit));
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int col = tile * 16 + gg + 8 * h;
+                    if (tile >= tiles || col >= p.n) continue;
+                    const float b = kBias ? p.bias0[(size_t)e * p.n + col] : 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i)
+                        if (r + i < row_end)
+                            out[(size_t)(r + i) * p.n + col] = cm::from_float<T>(v[2 * h + i] * f0 + b);
+                }
             }
         }
+        if constexpr (kWarps > 1) __syncthreads();  // partial[] is reused by the next pass
     }
 }
 
 }  // namespace
 
-// FC2: grid = (ceil(n / kCtaN) column tiles, expert slots), block = kThreads; a block owns kCtaN
-// output columns (rows of W) of the expert in its slot.
+// FC2: grid = (ceil(ceil(n / 16) / (kCtaN / 16)), expert slots), block = kThreads; a block owns
+// kCtaN output columns (rows of W) of the expert in its slot.
 template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, bool kBias>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     gemv_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
              const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
              const float* __restrict__ bias, const int* __restrict__ expert_offsets,
              const int* __restrict__ active, T* __restrict__ out, int n_experts, int n, int k,
-             int chunks) {
-    const Params p{x,     nullptr, w,      nullptr,        scales, global_scale, nullptr,   bias,
-                   nullptr, expert_offsets, active, out, n_experts, n, k,  chunks, 1, 0.0f, 0.0f};
+             int chunks, int scale_shift) {
+    const Params p{x,       nullptr,        w,      nullptr, scales,    global_scale, nullptr,
+                   bias,    nullptr,        expert_offsets, active, out, n_experts,   n,
+                   k,       chunks,         1,      scale_shift, 0.0f,  0.0f};
     gemv_body<kFormat, T, kPairInterleaved, kCtaN, kThreads, 0, kBias>(p);
 }
 
-// FC1: grid = (ceil(n / (kCtaN / 2)), expert slots); a block owns kCtaN weight rows = kCtaN / 2
-// output columns (a column's gate and up rows are read by the same row group). x is read in token
-// order through row_source.
+// FC1: grid = (ceil(ceil(n / 8) / (kCtaN / 16)), expert slots); a block owns kCtaN weight rows =
+// kCtaN / 2 output columns (gate and up rows of each). x is read in token order through row_source.
 template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, int kAct,
           bool kBias>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     gemv_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
              const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
              const uint8_t* __restrict__ scales, const float* __restrict__ gate_global,
              const float* __restrict__ up_global, const float* __restrict__ gate_bias,
              const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
              const int* __restrict__ active, T* __restrict__ out, int n_experts, int n, int k,
-             int chunks, int top_k, float alpha, float limit) {
+             int chunks, int top_k, int scale_shift, float alpha, float limit) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
-    const Params p{x,       row_source,     gate,   up,  scales,    gate_global, up_global,
-                   gate_bias, up_bias,      expert_offsets, active, out, n_experts, n, k,
-                   chunks,  top_k,          alpha,  limit};
+    const Params p{x,         row_source,     gate,   up,  scales,    gate_global, up_global,
+                   gate_bias, up_bias,        expert_offsets, active, out, n_experts, n, k,
+                   chunks,    top_k,          scale_shift,    alpha,  limit};
     gemv_body<kFormat, T, kPairInterleaved, kCtaN, kThreads, kAct, kBias>(p);
 }
