@@ -65,6 +65,34 @@ def dequant_case(fmt: str, pair: bool, k: int) -> None:
     assert_equal(dequantize_ref(w, out_dtype=np.float32).view(np.uint32), out.view(cupy.uint32))
 
 
+def gemv_case(fmt: str, dtype, pair: bool, cta_n: int, n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    """fc1 (swiglu_oai, biases) and fc2 with a forced tiling: tail N and K, multi-pass rows."""
+    from cupymoe import gemv
+    from cupymoe.config import GemvConfig
+    from cupymoe.tune import random_routing
+
+    rng = np.random.default_rng(n + k + m)
+    e, top_k = 4, 4
+    gate, up = (random_fp4_experts(rng, e, n, k, fmt) for _ in range(2))
+    down = random_fp4_experts(rng, e, n, k, fmt)
+    bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
+    routing = random_routing(rng, m, top_k, e)  # m tokens on 4 experts: m rows per expert
+    cfg = GemvConfig(cta_n, 128)
+    act = gemv.ActivationSpec("swiglu_oai")
+    x = rng.standard_normal((m, k)).astype(dtype)
+    w1 = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, pair_interleaved=pair)
+    h = gemv.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
+    xs = x.astype(np.float64)[routing.sorted_rows.get() // top_k]
+    off = routing.expert_offsets.get()
+    ref = gemv.fc1_ref(xs, gate, up, off, act=act, gate_bias=bg, up_bias=bu)
+    assert_close(ref, h, max_rel=2e-2, rms_rel=1e-2, name="fc1")
+    hs = rng.standard_normal((m * top_k, k)).astype(dtype)
+    y = gemv.fc2(
+        cupy.asarray(hs), gemv.prepare_fc2(down, pair_interleaved=pair), routing, config=cfg
+    )
+    assert_close(gemv.gemv_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
+
+
 def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = "") -> None:  # type: ignore[no-untyped-def]
     rng = np.random.default_rng(m)
     shape = dataclasses.replace(PRESETS[name], n_experts=experts)
@@ -108,6 +136,16 @@ def main() -> int:
                 f"dequant {fmt} K={k} pair={pair}",
                 lambda f=fmt, kk=k, p=pair: dequant_case(f, p, kk),
             )
+    # GEMV tilings with tails: N = 40 (not a multiple of the 16-row tile), K % 32 = 16, 12 rows
+    # per expert (two passes of 8); MXFP4 with fp16 activations.
+    for cta_n in (16, 32, 64):
+        check(
+            f"gemv nvfp4 bf16 cta_n={cta_n} N=40 K=176 M=12",
+            lambda c=cta_n: gemv_case("nvfp4", BF16, c == 32, c, 40, 176, 12),
+        )
+    check(
+        "gemv mxfp4 fp16 pair cta_n=32", lambda: gemv_case("mxfp4", np.float16, True, 32, 24, 96, 3)
+    )
     # Whole layers: FC1 (all three activations) and FC2 GEMVs, both formats and nibble orders,
     # biases, fp16 and bf16, the batched path above the row window.
     check("layer qwen M=8 bf16", lambda: layer_case("qwen3.6-35b-a3b", 8, BF16, False, 32))
