@@ -11,12 +11,12 @@ workspaces per call. :func:`cupymoe.gemv.fc1` / :func:`cupymoe.gemv.fc2` switch 
 the row window (64 expanded rows), where a prefill-sized batch amortises both.
 
 Numerics: weights are dequantized exactly to float32 (global scale included, one fp32 rounding),
-activations are widened to float32 (exact), and each expert's product is one float32
-``cupy.matmul`` (cuBLAS SGEMM, fp32 accumulation). 16-bit ``matmul`` would leave the compute
-type to CuPy's per-dtype defaults (and bf16 support to the CuPy version), so correctness comes
-first here. Do not set ``CUPY_TF32=1`` when accuracy matters: it lets cuBLAS round the inputs to
-TF32. Biases and the activation are applied in float32, then one RNE rounding to the dtype of
-``x`` / ``h``.
+activations are widened to float32 (exact), and the experts' products are float32 batched
+``cupy.matmul`` calls (cuBLAS SGEMM, fp32 accumulation), one per chunk of experts. 16-bit
+``matmul`` would leave the compute type to CuPy's per-dtype defaults (and bf16 support to the
+CuPy version), so correctness comes first here. Do not set ``CUPY_TF32=1`` when accuracy
+matters: it lets cuBLAS round the inputs to TF32. Biases and the activation are applied in
+float32, then one RNE rounding to the dtype of ``x`` / ``h``.
 """
 
 from __future__ import annotations
@@ -97,18 +97,30 @@ def _expert_chunks(offsets: np.ndarray, weights: tuple[DeviceFp4, ...]) -> list[
 def _grouped_matmul(
     a: Any, weights: tuple[DeviceFp4, ...], biases: tuple[Any, ...], offsets: np.ndarray
 ) -> list[Any]:
-    """Per weight set j: float32 [R, N_j]; rows of expert e get ``a W_j[e]^T + b_j[e]``."""
+    """Per weight set j: float32 [R, N_j]; rows of expert e get ``a W_j[e]^T + b_j[e]``.
+
+    One batched SGEMM per chunk of experts and weight set: the chunk's rows are gathered into a
+    ``[experts, max_rows, K]`` block (short experts padded with a copy of one of their rows, whose
+    results are dropped), multiplied by the ``[experts, K, N]`` dequantized weights, and the live
+    rows scattered back. The index arrays are built on the host from ``offsets``.
+    """
     cupy = require_cupy()
     results = [cupy.empty((a.shape[0], w.n), dtype=cupy.float32) for w in weights]
+    width = int(np.diff(offsets).max(initial=0))  # one block shape for every chunk
     for chunk in _expert_chunks(offsets, weights):
         dense = [dequantize(w, experts=chunk, out_dtype=np.float32) for w in weights]
-        for slot, e in enumerate(chunk):
-            lo, hi = int(offsets[e]), int(offsets[e + 1])
-            for j, (w_dense, bias) in enumerate(zip(dense, biases, strict=True)):
-                y = cupy.matmul(a[lo:hi], w_dense[slot].T)
-                if bias is not None:
-                    y += bias[e]
-                results[j][lo:hi] = y
+        first, counts = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
+        pos = np.arange(width)[None, :]
+        live = pos < counts[:, None]
+        gather = np.where(live, first[:, None] + pos, first[:, None])  # [experts, width]
+        dst = cupy.asarray(gather[live])  # expanded rows of the live entries, in order
+        src = cupy.asarray(np.flatnonzero(live.reshape(-1)))  # their positions in the block
+        block = a[cupy.asarray(gather.reshape(-1))].reshape(len(chunk), width, a.shape[1])
+        for j, (w_dense, bias) in enumerate(zip(dense, biases, strict=True)):
+            y = cupy.matmul(block, w_dense.transpose(0, 2, 1))  # [experts, width, N]
+            if bias is not None:
+                y += bias[cupy.asarray(chunk)][:, None, :]
+            results[j][dst] = y.reshape(-1, y.shape[2])[src]
     return results
 
 
