@@ -117,10 +117,14 @@ def _grouped_matmul(
         src = cupy.asarray(np.flatnonzero(live.reshape(-1)))  # their positions in the block
         block = a[cupy.asarray(gather.reshape(-1))].reshape(len(chunk), width, a.shape[1])
         for j, (w_dense, bias) in enumerate(zip(dense, biases, strict=True)):
-            y = cupy.matmul(block, w_dense.transpose(0, 2, 1))  # [experts, width, N]
+            # W [experts, N, K] @ block^T: the big operand stays contiguous (no copy of it).
+            yt = cupy.matmul(w_dense, block.transpose(0, 2, 1))  # [experts, N, width]
+            y = cupy.ascontiguousarray(yt.transpose(0, 2, 1)).reshape(-1, yt.shape[1])
             if bias is not None:
+                y = y.reshape(len(chunk), width, -1)
                 y += bias[cupy.asarray(chunk)][:, None, :]
-            results[j][dst] = y.reshape(-1, y.shape[2])[src]
+                y = y.reshape(len(chunk) * width, -1)
+            results[j][dst] = y[src]
     return results
 
 
