@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # gemv imports this module: no runtime import back
     from .gemv import ActivationSpec
     from .routing import Routing
 
-__all__ = ["WORKSPACE_BYTES", "apply_activation", "fc1_batched", "fc2_batched"]
+__all__ = ["WORKSPACE_BYTES", "apply_activation", "block_indices", "fc1_batched", "fc2_batched"]
 
 #: Bytes of float32 dequantized weights held at once (the experts are decoded in chunks of this
 #: size, so a DeepSeek-V3 layer of 256 x 2048 x 7168 never needs 15 GB at once).
@@ -94,6 +94,28 @@ def _expert_chunks(offsets: np.ndarray, weights: tuple[DeviceFp4, ...]) -> list[
     return [active[i : i + size] for i in range(0, active.size, size)]
 
 
+def block_indices(
+    offsets: np.ndarray, chunk: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Index arrays of one chunk's padded row block (host side of :func:`_grouped_matmul`).
+
+    Returns ``gather [len(chunk), width]`` (the expanded row each block slot reads: the expert's
+    rows, then its first row again as padding), ``dst`` (the expanded rows of the live slots, in
+    block order) and ``src`` (those slots' flat positions in the block).
+
+    >>> g, dst, src = block_indices(np.array([0, 2, 2, 5]), np.array([0, 2]), 3)
+    >>> g.tolist(), dst.tolist(), src.tolist()
+    ([[0, 1, 0], [2, 3, 4]], [0, 1, 2, 3, 4], [0, 1, 3, 4, 5])
+    """
+    first, counts = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
+    if counts.size and (counts.min() < 1 or counts.max() > width):
+        raise ValueError(f"chunk: expected experts with 1..{width} rows, got counts {counts}")
+    pos = np.arange(width)[None, :]
+    live = pos < counts[:, None]
+    gather = np.where(live, first[:, None] + pos, first[:, None])
+    return gather, gather[live], np.flatnonzero(live.reshape(-1))
+
+
 def _grouped_matmul(
     a: Any, weights: tuple[DeviceFp4, ...], biases: tuple[Any, ...], offsets: np.ndarray
 ) -> list[Any]:
@@ -109,12 +131,8 @@ def _grouped_matmul(
     width = int(np.diff(offsets).max(initial=0))  # one block shape for every chunk
     for chunk in _expert_chunks(offsets, weights):
         dense = [dequantize(w, experts=chunk, out_dtype=np.float32) for w in weights]
-        first, counts = offsets[chunk], offsets[chunk + 1] - offsets[chunk]
-        pos = np.arange(width)[None, :]
-        live = pos < counts[:, None]
-        gather = np.where(live, first[:, None] + pos, first[:, None])  # [experts, width]
-        dst = cupy.asarray(gather[live])  # expanded rows of the live entries, in order
-        src = cupy.asarray(np.flatnonzero(live.reshape(-1)))  # their positions in the block
+        gather, dst_host, src_host = block_indices(offsets, chunk, width)
+        dst, src = cupy.asarray(dst_host), cupy.asarray(src_host)
         block = a[cupy.asarray(gather.reshape(-1))].reshape(len(chunk), width, a.shape[1])
         for j, (w_dense, bias) in enumerate(zip(dense, biases, strict=True)):
             # W [experts, N, K] @ block^T: the big operand stays contiguous (no copy of it).

@@ -136,7 +136,10 @@ class GemvConfig:
         if device_name and dtype is not None:
             from .tune import lookup_tuned
 
-            tuned = lookup_tuned(device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows)
+            op = "fc1" if gated else "fc2"
+            tuned = lookup_tuned(
+                device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op
+            )
             if tuned is not None:
                 return tuned
         return cls.analytic(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)

@@ -2,17 +2,21 @@
 """Optional GEMV autotuning: profile every tiling, keep the fastest in a JSON cache.
 
 The cache (:func:`cache_path`, ``$XDG_CACHE_HOME/cupymoe/gemv_tune.json``) maps
-``device | format | dtype | N | K | row bucket`` to the winning :class:`~cupymoe.config.GemvConfig`
-fields and its time. ``GemvConfig.for_problem`` consults it through :func:`lookup_tuned` after
-the ``CUPYMOE_GEMV_CONFIG`` override and before the analytic table, so tuning is never required.
-A missing, unreadable or outdated file is ignored (with one warning per file) and the analytic
-table applies.
+``device | op | format | dtype | N | K | row bucket`` (op: ``fc1`` or ``fc2``) to the winning
+:class:`~cupymoe.config.GemvConfig` fields and its time. ``GemvConfig.for_problem`` consults
+it through :func:`lookup_tuned` after the ``CUPYMOE_GEMV_CONFIG`` override and before the
+analytic table, so tuning is never required. A missing, unreadable or outdated file is ignored
+(with one warning per file) and the analytic table applies.
 
 File layout (``version`` changes whenever the meaning of an entry changes)::
 
-    {"version": 1,
-     "entries": {"NVIDIA H200|nvfp4|bfloat16|512|2048|8": {"config": {"cta_n": 4, "threads": 128},
-                                                          "us": 3.1, "op": "fc1"}}}
+    {"version": 2,
+     "entries": {"NVIDIA H200|fc1|nvfp4|bfloat16|512|2048|8": {"config": {"cta_n": 64,
+                                                                         "threads": 128},
+                                                              "us": 16.7, "op": "fc1"}}}
+
+Version 2: the tensor-core kernels (tilings of 16-row m-tiles) and the op in the key (FC1 and FC2
+of one shape, gpt-oss's 2880 x 2880, are different problems).
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ __all__ = [
 ]
 
 #: Version of the file layout and entry meaning; files of another version are ignored.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+
+_OPS = ("fc1", "fc2")
 #: Row buckets (expanded rows of one GEMV call, up to the 64-row window).
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
@@ -92,11 +98,16 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
-def cache_key(*, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int) -> str:
-    """The entry key: ``"<device>|<format>|<dtype>|<N>|<K>|<row bucket>"``."""
+def cache_key(
+    *, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int, op: str = "fc2"
+) -> str:
+    """The entry key: ``"<device>|<op>|<format>|<dtype>|<N>|<K>|<row bucket>"``."""
+    if op not in _OPS:
+        raise ValueError(f"op: expected 'fc1' or 'fc2', got {op!r}")
     return "|".join(
         (
             str(device_name),
+            op,
             _format_name(fmt),
             _dtype_name(dtype),
             str(int(n)),
@@ -149,9 +160,9 @@ def _entries(path: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(
-    path: str, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int
+    path: str, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int, op: str
 ) -> GemvConfig | None:
-    key = cache_key(device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows)
+    key = cache_key(device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op)
     entry = _entries(path).get(key)
     if entry is None:
         return None
@@ -172,6 +183,7 @@ def lookup_tuned(
     n: int,
     k: int,
     rows: int,
+    op: str = "fc2",
     path: str | os.PathLike[str] | None = None,
 ) -> GemvConfig | None:
     """The tuned config for this problem, or ``None`` when the cache has none.
@@ -187,6 +199,8 @@ def lookup_tuned(
         Output rows and reduction length of the GEMV.
     rows : int
         Expanded rows of the call; mapped with :func:`row_bucket`.
+    op : {"fc1", "fc2"}
+        Which GEMV (FC1 reads gate and up rows: twice the rows of the same N).
     path : path, optional
         Cache file (default :func:`cache_path`).
 
@@ -195,7 +209,7 @@ def lookup_tuned(
     Memoised per argument tuple: the file is parsed once per process (again after
     :func:`store_results` / :func:`clear_cache`). A missing or corrupt file means "no entry".
     """
-    return _lookup(str(path or cache_path()), device_name, fmt, dtype, n, k, rows)
+    return _lookup(str(path or cache_path()), device_name, fmt, dtype, n, k, rows, op)
 
 
 def clear_cache() -> None:
@@ -430,7 +444,9 @@ def tune_gemv(
                     progress(done, total, f"N={n} K={k} rows={bucket}")
             if best is None:
                 continue
-            key = cache_key(device_name=name, fmt=fmt, dtype=act_dtype, n=n, k=k, rows=bucket)
+            key = cache_key(
+                device_name=name, fmt=fmt, dtype=act_dtype, n=n, k=k, rows=bucket, op=op
+            )
             results[key] = {
                 "config": dataclasses.asdict(best[1]),
                 "us": round(best[0], 3),

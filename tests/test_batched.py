@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The batched path above the row window against a float64 NumPy computation (GPU)."""
+"""The batched path above the row window against a float64 NumPy computation (GPU), and its
+host-side index math (CPU)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ from cupymoe.dequant import DeviceFp4
 from cupymoe.presets import random_fp4_experts
 from cupymoe.testing import assert_close, tolerance_for
 from cupymoe.tune import random_routing
-
-pytestmark = pytest.mark.gpu
 
 _HIDDEN, _INTER, _EXPERTS = 64, 96, 16  # K multiples of 32 (MXFP4 blocks) for FC1 and FC2
 _ERF = np.vectorize(math.erf)
@@ -73,6 +72,7 @@ def _cases() -> list[Case]:
     return cases
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("case", _cases(), ids=repr)
 def test_fc1_fc2_batched(rng: np.random.Generator, case: Case) -> None:
     import cupy
@@ -121,6 +121,7 @@ def test_fc1_fc2_batched(rng: np.random.Generator, case: Case) -> None:
     assert_close(y_ref, y, max_rel=max_rel, rms_rel=rms_rel, name="fc2")
 
 
+@pytest.mark.gpu
 def test_workspace_chunks_give_the_same_answer(rng, monkeypatch) -> None:
     import cupy
 
@@ -135,6 +136,7 @@ def test_workspace_chunks_give_the_same_answer(rng, monkeypatch) -> None:
     assert np.array_equal(whole.view(np.uint16), chunked.view(np.uint16))
 
 
+@pytest.mark.gpu
 def test_empty_batch(rng: np.random.Generator) -> None:
     import cupy
 
@@ -146,6 +148,7 @@ def test_empty_batch(rng: np.random.Generator) -> None:
     assert y.shape == (0, 32) and y.dtype == np.float16
 
 
+@pytest.mark.gpu
 def test_rejects_before_launch(rng: np.random.Generator) -> None:
     import cupy
 
@@ -176,3 +179,31 @@ def test_rejects_before_launch(rng: np.random.Generator) -> None:
             DeviceFp4.from_experts(random_fp4_experts(rng, 5, 64, 32, "nvfp4")),
             routing,
         )
+
+
+# ---- host index math (CPU) -----------------------------------------------------------------------
+def test_block_indices_gather_every_row_once(rng: np.random.Generator) -> None:
+    from cupymoe.batched import block_indices
+
+    counts = rng.integers(0, 7, size=40)
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    chunk = np.flatnonzero(counts > 0)
+    width = int(counts.max())
+    gather, dst, src = block_indices(offsets, chunk, width)
+    assert gather.shape == (chunk.size, width)
+    assert sorted(dst.tolist()) == list(range(int(offsets[-1])))  # every row exactly once
+    np.testing.assert_array_equal(gather.reshape(-1)[src], dst)  # src slots read dst rows
+    for slot, e in enumerate(chunk):  # each slot reads its own expert's rows (padding: the first)
+        lo, hi = offsets[e], offsets[e + 1]
+        assert np.all((gather[slot] >= lo) & (gather[slot] < hi))
+        np.testing.assert_array_equal(gather[slot, : hi - lo], np.arange(lo, hi))
+
+
+def test_block_indices_rejects_empty_or_too_wide_experts() -> None:
+    from cupymoe.batched import block_indices
+
+    offsets = np.array([0, 2, 2, 5])
+    with pytest.raises(ValueError, match="chunk"):
+        block_indices(offsets, np.array([0, 1]), 3)  # expert 1 has no rows
+    with pytest.raises(ValueError, match="chunk"):
+        block_indices(offsets, np.array([2]), 2)  # 3 rows do not fit a width of 2

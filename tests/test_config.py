@@ -122,7 +122,9 @@ def test_tune_cache_beats_table_and_env_beats_cache(
     monkeypatch.setattr(tune, "lookup_tuned", fake_lookup)
     kw = dict(n=512, k=2048, rows=8, fmt="nvfp4", device_name="NVIDIA H200", dtype="float16")
     assert GemvConfig.for_problem(**kw) == GemvConfig(64, 128)  # type: ignore[arg-type]
-    assert seen and seen[0]["n"] == 512 and seen[0]["rows"] == 8
+    assert seen and seen[0]["n"] == 512 and seen[0]["rows"] == 8 and seen[0]["op"] == "fc2"
+    GemvConfig.for_problem(**kw, gated=True)  # type: ignore[arg-type]
+    assert seen[-1]["op"] == "fc1"
     # no device name or no dtype: the cache is not consulted
     seen.clear()
     GemvConfig.for_problem(n=512, k=2048, rows=8, fmt="nvfp4", device_name="")

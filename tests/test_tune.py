@@ -63,7 +63,12 @@ def test_cache_path_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
 def test_cache_key_normalises() -> None:
     a = tune.cache_key(**_PROBLEM, rows=3)
     b = tune.cache_key(**{**_PROBLEM, "fmt": Fp4Format.NVFP4, "dtype": "bfloat16"}, rows=4)
-    assert a == b == "NVIDIA H200|nvfp4|bfloat16|512|2048|4"
+    assert a == b == "NVIDIA H200|fc2|nvfp4|bfloat16|512|2048|4"
+    assert (
+        tune.cache_key(**_PROBLEM, rows=3, op="fc1") == "NVIDIA H200|fc1|nvfp4|bfloat16|512|2048|4"
+    )
+    with pytest.raises(ValueError, match="op"):
+        tune.cache_key(**_PROBLEM, rows=1, op="fc3")
     with pytest.raises(TypeError, match="dtype"):
         tune.cache_key(**{**_PROBLEM, "dtype": np.float32}, rows=1)
     with pytest.raises(ValueError, match="fmt"):
@@ -86,6 +91,7 @@ def test_round_trip(tmp_path, fake_config) -> None:
     assert tune.lookup_tuned(**_PROBLEM, rows=2, path=path) is None
     assert tune.lookup_tuned(**{**_PROBLEM, "n": 1024}, rows=8, path=path) is None
     assert tune.lookup_tuned(**{**_PROBLEM, "device_name": "A100"}, rows=8, path=path) is None
+    assert tune.lookup_tuned(**_PROBLEM, rows=8, op="fc1", path=path) is None  # FC2's entry
 
 
 def test_lookup_is_memoised_until_store(tmp_path, fake_config) -> None:
