@@ -42,9 +42,10 @@ __all__ = [
 # fmt: on
 
 #: Nibble order host weights are uploaded in: the pair-interleaved order decodes with shifts and
-#: masks (some as IMAD on the FMA pipe), the plain order with byte-permute lookups that all load
-#: the ALU pipe, which limits the GEMV; measured on the H200 (bf16, cta_n 64): Qwen3.6 FC1 at
-#: M = 4 / 8 takes 16.8 / 27.7 µs pair-interleaved vs 20.7 / 34.1 µs plain.
+#: masks (left shifts written as multiplications, which ptxas may issue on the FMA pipe), the
+#: plain order with byte-permute lookups that all load the ALU pipe, which limits the GEMV.
+#: Measured on the H200 (bf16, cta_n 64): Qwen3.6 FC1 at M = 4 / 8 takes 16.8 / 27.7 µs
+#: pair-interleaved vs 20.7 / 34.1 µs plain.
 DEFAULT_PAIR_INTERLEAVED = True
 
 _CTYPES = {np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16", np.dtype(np.float16): "__half"}
