@@ -573,7 +573,7 @@ def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing
             launch(
                 spec,
                 1,
-                32 * min(m, 8),
+                32 * (min(m, 8) + 1),  # routing warps + the maps warp
                 (
                     *head,
                     np.int32(m),

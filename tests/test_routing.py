@@ -54,6 +54,8 @@ def _logits(kind: str, m: int, e: int, dtype: type, rng: np.random.Generator) ->
         x = np.round(x)
     elif kind == "equal":
         x = np.full((m, e), 0.5)
+    elif kind == "wide":  # sigmoids down to the subnormals and 0 (x below about -87)
+        x = rng.uniform(-160, 40, (m, e))
     elif kind == "inf":
         x[rng.random((m, e)) < 0.1] = np.inf
         x[rng.random((m, e)) < 0.1] = -np.inf
@@ -296,6 +298,45 @@ def test_route_edge_values(
         router = _router(method, e, k, renormalize=renormalize)
         x = _logits(kind, m, e, dtype, rng)
         _check_routing(route_ref(x, router), route(_device(x), router))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "nan", "wide"])
+@pytest.mark.parametrize(
+    ("e", "n_group", "topk_group", "k"),
+    [
+        (256, 8, 4, 8),  # DeepSeek-V3: groups of 32 (one register column each)
+        (256, 8, 1, 8),
+        (256, 8, 7, 6),
+        (224, 7, 3, 8),  # groups of 32 with a padding column
+        (128, 4, 2, 6),
+        (256, 4, 2, 8),  # groups of 64: the shared-memory group scan
+        (96, 6, 5, 4),  # groups of 16
+    ],
+)
+@pytest.mark.parametrize("m", [1, 4, 9, 40])
+def test_route_grouped_configurations(
+    kind: str, e: int, n_group: int, topk_group: int, k: int, m: int, rng: np.random.Generator
+) -> None:
+    # Fused (M * k <= 64) and per-token launches, both group-selection paths, tie-heavy inputs.
+    bias = (rng.standard_normal(e) * 0.05).astype(np.float32)
+    if kind == "ties":
+        bias = np.round(bias * 40) / 40
+    elif kind == "equal":
+        bias[:] = 0
+    router = Router(
+        e,
+        k,
+        "sigmoid_grouped",
+        renormalize=kind != "nan",
+        n_group=n_group,
+        topk_group=topk_group,
+        correction_bias=bias,
+        routed_scaling_factor=2.5,
+    )
+    x = _logits(kind, m, e, np.float32, rng)
+    out = route(_device(x), router, out=_poisoned(m, e, k))
+    _check_routing(route_ref(x, router), out)
 
 
 @pytest.mark.gpu

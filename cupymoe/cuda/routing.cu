@@ -75,11 +75,25 @@ __device__ __forceinline__ float exp_defined(float t) {
 }
 
 // sigmoid(x) = 1 / (1 + exp(-x)), x not NaN; -x clamped to [-150, 150] (exp is 0 / inf beyond).
-__device__ __forceinline__ float sigmoid_defined(float x) {
+__device__ __forceinline__ float sigmoid_denominator(float x) {
     float t = -x;
     t = t < -150.0f ? -150.0f : t;
     t = t > 150.0f ? 150.0f : t;
-    return f_rcp(f_add(1.0f, exp_defined(t)));
+    return f_add(1.0f, exp_defined(t));
+}
+__device__ __forceinline__ float sigmoid_defined(float x) { return f_rcp(sigmoid_denominator(x)); }
+
+// rcp.rn's own fast path without its range branch (so that independent reciprocals interleave):
+// the approximate reciprocal and one Newton step in fma, correctly rounded -- bit for bit what
+// rcp.rn returns -- for 1 <= y < 2^126. Above (a result near or below the subnormals, or inf)
+// the caller uses f_rcp.
+constexpr uint32_t kRcpFastLimit = 0x7E800000u;  // bits of 2^126
+__device__ __forceinline__ float rcp_rn_fast(float y) {
+    float r, e, out;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
+    asm("fma.rn.f32 %0, %1, %2, 0fBF800000;" : "=f"(e) : "f"(y), "f"(r));  // y r - 1
+    asm("fma.rn.f32 %0, %1, %2, %1;" : "=f"(out) : "f"(r), "f"(-e));       // r - r e
+    return out;
 }
 
 __device__ __forceinline__ uint32_t order_bits(float v) {
@@ -116,54 +130,56 @@ __device__ __forceinline__ float warp_sum_exact(float v) {
     return v;
 }
 
-// ---- register bitonic top-N ------------------------------------------------------------------
+// ---- register sort and the warp top-k -----------------------------------------------------
+__device__ __forceinline__ void exchange_descending(uint64_t& x, uint64_t& y) {
+    const uint64_t hi = x < y ? y : x, lo = x < y ? x : y;
+    x = hi;
+    y = lo;
+}
+// Sorts N <= 8 keys descending: the optimal networks for 4 (5 exchanges) and 8 (19 exchanges,
+// depth 6, Knuth TAOCP 5.3.4) instead of bitonic sorting's 6 and 24.
 template <int N> __device__ __forceinline__ void sort_descending(uint64_t (&a)[N]) {
+    if constexpr (N == 2) {
+        exchange_descending(a[0], a[1]);
+    } else if constexpr (N == 4) {
+        constexpr int kNet[5][2] = {{0, 1}, {2, 3}, {0, 2}, {1, 3}, {1, 2}};
 #pragma unroll
-    for (int k = 2; k <= N; k <<= 1) {
+        for (int c = 0; c < 5; ++c) exchange_descending(a[kNet[c][0]], a[kNet[c][1]]);
+    } else if constexpr (N == 8) {
+        constexpr int kNet[19][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}, {0, 4}, {1, 5}, {2, 6},
+                                     {3, 7}, {0, 1}, {2, 3}, {4, 5}, {6, 7}, {2, 4}, {3, 5},
+                                     {1, 4}, {3, 6}, {1, 2}, {3, 4}, {5, 6}};
 #pragma unroll
-        for (int j = k >> 1; j > 0; j >>= 1) {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                const int l = i ^ j;
-                if (l > i) {
-                    const bool descending = (i & k) == 0;
-                    const uint64_t x = a[i], y = a[l];
-                    const bool swap = descending ? (x < y) : (x > y);
-                    a[i] = swap ? y : x;
-                    a[l] = swap ? x : y;
-                }
-            }
-        }
+        for (int c = 0; c < 19; ++c) exchange_descending(a[kNet[c][0]], a[kNet[c][1]]);
     }
 }
-template <int N> __device__ __forceinline__ void clean_descending(uint64_t (&a)[N]) {
+
+// Warp top-k in k rounds of arg-max. Each lane sorts its N keys (descending) once; a round takes
+// the warp's largest head -- redux.max over the heads' score words, then over the expert words of
+// the heads that hold that score (the larger expert word is the lower expert) -- and the lane
+// holding it pops its head. Lane r < k returns round r's key; `top` is round 0's score word.
+template <int N>
+__device__ __forceinline__ uint64_t warp_top_k(uint64_t (&key)[N], int k, int lane,
+                                               uint32_t& top) {
+    sort_descending<N>(key);
+    uint64_t mine = 0;
+    top = 0;
 #pragma unroll
-    for (int j = N >> 1; j > 0; j >>= 1) {
+    for (int r = 0; r < N; ++r) {
+        if (r < k) {  // k is warp-uniform
+            const uint32_t hi = key_high(key[0]), lo = (uint32_t)(key[0] & 0xffffffffull);
+            const uint32_t best_hi = __reduce_max_sync(kFull, hi);
+            const uint32_t best_lo = __reduce_max_sync(kFull, hi == best_hi ? lo : 0u);
+            const uint64_t best = ((uint64_t)best_hi << 32) | best_lo;
+            top = r == 0 ? best_hi : top;
+            mine = lane == r ? best : mine;
+            const bool pop = key[0] == best;  // one lane (or only padding lanes, harmlessly)
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const int l = i ^ j;
-            if (l > i) {
-                const uint64_t x = a[i], y = a[l];
-                a[i] = x < y ? y : x;
-                a[l] = x < y ? x : y;
-            }
+            for (int i = 0; i + 1 < N; ++i) key[i] = pop ? key[i + 1] : key[i];
+            key[N - 1] = pop ? 0ull : key[N - 1];
         }
     }
-}
-// Every lane ends with the N largest of the warp's 32 * N keys, sorted descending. Merging a
-// descending A with a reversed partner B by C[i] = max(A[i], B[N-1-i]) is symmetric in A and B,
-// so one xor-shuffle per key leaves both partners with the same top-N.
-template <int N> __device__ __forceinline__ void warp_top_n(uint64_t (&a)[N]) {
-    sort_descending<N>(a);
-#pragma unroll
-    for (int step = 1; step < 32; step <<= 1) {
-        uint64_t b[N];
-#pragma unroll
-        for (int i = 0; i < N; ++i) b[i] = __shfl_xor_sync(kFull, a[N - 1 - i], step);
-#pragma unroll
-        for (int i = 0; i < N; ++i) a[i] = a[i] < b[i] ? b[i] : a[i];
-        clean_descending<N>(a);
-    }
+    return mine;
 }
 
 // ---- group selection (kMethod 2) -------------------------------------------------------------
@@ -202,46 +218,99 @@ __device__ __forceinline__ void select_groups(const float* choice, float* gscore
     if (block_sync) __syncthreads(); else __syncwarp();
 }
 
-// ---- one token on one warp (E <= 32 * kN <= 256, k <= kN) ------------------------------------
-// Lane i < k returns slot i's expert and weight. `scratch` (kMethod 2 only): 512 floats per warp.
-template <typename T, int kMethod, int kN>
-__device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int E, int k,
-                                                 int n_group, int topk_group, float scale,
-                                                 int renormalize, const float* __restrict__ bias,
-                                                 float* scratch, int lane, int& out_id,
-                                                 float& out_weight) {
-    uint64_t key[kN];
-    float val[kN];
+// Groups of exactly 32 experts on the warp layout (expert = lane + 32 * j): group j is register
+// column j, so its top-2 is two warp reductions and no shared memory is touched. Same scores,
+// ranks and ties as select_groups; returns bit g = group g is kept (n_group <= N).
+template <int N>
+__device__ __forceinline__ uint32_t groups_by_column(const float (&choice)[N], int n_group,
+                                                     int topk_group, int lane) {
+    uint32_t gorder[N];
 #pragma unroll
-    for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < N; ++j) {
+        // choice is never NaN (NaN logits enter as -inf): order_bits is non-zero, invertible.
+        const uint32_t o = order_bits(choice[j]);
+        const uint32_t m1 = __reduce_max_sync(kFull, o);
+        const unsigned at_m1 = __ballot_sync(kFull, o == m1);
+        const uint32_t rest = __reduce_max_sync(kFull, o == m1 ? 0u : o);
+        const uint32_t m2 = (at_m1 & (at_m1 - 1u)) ? m1 : rest;  // m1 twice, or the runner-up
+        gorder[j] = order_bits(f_add(from_order_bits(m1), from_order_bits(m2)));
+    }
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) mine = j == lane ? gorder[j] : mine;
+    int rank = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+        rank += j < n_group && (gorder[j] > mine || (gorder[j] == mine && j < lane));
+    return __ballot_sync(kFull, lane < n_group && rank < topk_group);
+}
+
+// ---- one token on one warp (E <= 32 * kN <= 256, k <= kN) ------------------------------------
+// select_token_warp: the top-k; lane i < k gets slot i's key. val / sig keep what the weights need
+// (weigh_token_warp). `scratch` (kMethod 2, groups not of 32): 512 floats per warp.
+template <typename T, int kMethod, int kN>
+__device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row, int E, int k,
+                                                      int n_group, int topk_group,
+                                                      const float* __restrict__ bias,
+                                                      float* scratch, int lane, float (&val)[kN],
+                                                      float (&sig)[kN], uint32_t& top) {
+    uint64_t key[kN];
+#pragma unroll
+    for (int j = 0; j < kN; ++j) {  // every load of the token issued before any use
         const int e = lane + 32 * j;
         val[j] = e < E ? cm::to_float(row[e]) : __int_as_float(0x7fc00000);
+        if constexpr (kMethod == 2) sig[j] = e < E ? bias[e] : 0.0f;
     }
     if constexpr (kMethod == 2) {
-        float* choice = scratch;
-        float* gscore = scratch + kMaxWarpExperts;
-        int* flag = reinterpret_cast<int*>(scratch + kMaxWarpExperts + kMaxGroupsWarp);
         const bool grouped = n_group > 1 && topk_group < n_group;
         const int group_size = E / n_group;
-        __syncwarp();  // the previous token's readers are done with the scratch
+        float den[kN];
+        bool slow = false;
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {  // branch-free; a NaN logit computes garbage, selected away
+            den[j] = sigmoid_denominator(val[j]);
+            slow |= __float_as_uint(den[j]) >= kRcpFastLimit;  // den >= 1: bits order as values
+        }
+        float s[kN];
+#pragma unroll
+        for (int j = 0; j < kN; ++j) s[j] = rcp_rn_fast(den[j]);
+        if (__any_sync(kFull, slow)) {  // rare: a logit below about -87
+#pragma unroll
+            for (int j = 0; j < kN; ++j)
+                if (__float_as_uint(den[j]) >= kRcpFastLimit) s[j] = f_rcp(den[j]);
+        }
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
-            const int e = lane + 32 * j;
-            const float x = val[j];
-            const float c = (x != x) ? RT_NEG_INF : f_add(sigmoid_defined(x), bias[e < E ? e : 0]);
-            if (grouped && e < E) choice[e] = c;
-            val[j] = c;
+            const bool nan = val[j] != val[j];
+            const float b = sig[j];
+            sig[j] = nan ? 0.0f : s[j];
+            val[j] = nan ? RT_NEG_INF : f_add(s[j], b);
         }
-        if (grouped) {
+        uint32_t kept = ~0u;  // bit j: column j's experts may be chosen (group_size 32)
+        const int* flag = nullptr;
+        if (grouped && group_size == 32) {
+            kept = groups_by_column<kN>(val, n_group, topk_group, lane);
+        } else if (grouped) {
+            float* choice = scratch;
+            float* gscore = scratch + kMaxWarpExperts;
+            int* flags = reinterpret_cast<int*>(scratch + kMaxWarpExperts + kMaxGroupsWarp);
+            __syncwarp();  // the previous token's readers are done with the scratch
+#pragma unroll
+            for (int j = 0; j < kN; ++j) {
+                const int e = lane + 32 * j;
+                if (e < E) choice[e] = val[j];
+            }
             __syncwarp();
-            select_groups(choice, gscore, flag, n_group, topk_group, group_size, lane, 32, false);
+            select_groups(choice, gscore, flags, n_group, topk_group, group_size, lane, 32, false);
+            flag = flags;
         }
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
             const int e = lane + 32 * j;
-            const bool kept = e < E && (!grouped || flag[e / group_size]);
+            const bool ok =
+                e < E && ((kept >> j) & 1u) && (flag == nullptr || flag[e / group_size]);
             const uint32_t high = val[j] == RT_NEG_INF ? 1u : order_bits(val[j]);
-            key[j] = kept ? make_key(high, e) : 0ull;
+            key[j] = ok ? make_key(high, e) : 0ull;
         }
     } else {
 #pragma unroll
@@ -250,15 +319,26 @@ __device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int 
             key[j] = e < E ? make_key(order_bits(val[j]), e) : 0ull;
         }
     }
-    warp_top_n<kN>(key);
-    uint64_t mine = 0;
-#pragma unroll
-    for (int j = 0; j < kN; ++j) mine = (j == lane) ? key[j] : mine;
+    return warp_top_k<kN>(key, k, lane, top);
+}
+
+// Lane i < k: slot i's weight, from select_token_warp's key and state.
+template <int kMethod, int kN>
+__device__ __forceinline__ float weigh_token_warp(uint64_t mine, uint32_t top,
+                                                  const float (&val)[kN], const float (&sig)[kN],
+                                                  int k, float scale, int renormalize, int lane) {
     const bool slot = lane < k;
-    out_id = key_expert(mine);
+    const int out_id = key_expert(mine);
+    float out_weight;
     if constexpr (kMethod == 2) {
-        const float x = slot ? cm::to_float(row[out_id]) : 0.0f;
-        const float s = (slot && x == x) ? sigmoid_defined(x) : 0.0f;
+        // The chosen expert's sigmoid from the lane that holds it (no reload, no recompute).
+        const int src = out_id & 31, col = out_id >> 5;
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {
+            const float v = __shfl_sync(kFull, sig[j], src);
+            s = (slot && col == j) ? v : s;
+        }
         if (renormalize) {
             const float sum = warp_sum_exact(s);
             out_weight = __float_as_uint(sum) ? f_mul(f_div(s, sum), scale) : 0.0f;
@@ -266,7 +346,6 @@ __device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int 
             out_weight = f_mul(s, scale);
         }
     } else {
-        const uint32_t top = key_high(key[0]);
         const float m = top ? from_order_bits(top) : 0.0f;
         const uint32_t h = key_high(mine);
         const float num = (slot && h && top) ? softmax_numerator(from_order_bits(h), m) : 0.0f;
@@ -281,6 +360,21 @@ __device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int 
         }
         out_weight = denom > 0.0f ? num / denom : 0.0f;
     }
+    return out_weight;
+}
+
+template <typename T, int kMethod, int kN>
+__device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int E, int k,
+                                                 int n_group, int topk_group, float scale,
+                                                 int renormalize, const float* __restrict__ bias,
+                                                 float* scratch, int lane, int& out_id,
+                                                 float& out_weight) {
+    float val[kN], sig[kN];
+    uint32_t top;
+    const uint64_t mine = select_token_warp<T, kMethod, kN>(row, E, k, n_group, topk_group, bias,
+                                                            scratch, lane, val, sig, top);
+    out_id = key_expert(mine);
+    out_weight = weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
 }
 
 // ---- expert maps in one block ----------------------------------------------------------------
@@ -356,6 +450,84 @@ __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__
     }
 }
 
+// Expert maps of n <= 64 rows and E <= 256 on ONE warp (no block barrier), for the fused launch.
+// cnt: shared [kWarpMapBuckets], 16-byte aligned, zeroed (zero_map_counts) before the ids are
+// staged. Lane l owns buckets 8l .. 8l + 7 (lane 31 also bucket 256).
+constexpr int kWarpMapBuckets = 33 * 8;
+__device__ __forceinline__ void zero_map_counts(int* cnt, int lane) {
+    int4* cnt4 = reinterpret_cast<int4*>(cnt);
+    const int4 zero = make_int4(0, 0, 0, 0);
+    cnt4[2 * lane] = zero;
+    cnt4[2 * lane + 1] = zero;
+    if (lane < 2) cnt4[64 + lane] = zero;
+}
+// ids: shared [n]. Lane l ranks rows l and l + 32 with match.any (stable: row order), the bucket
+// counts meet in shared memory, and one warp scan over the lanes' buckets gives the offsets and
+// the active list. Ids outside [0, E) go to bucket E; same results as build_maps_block.
+__device__ __forceinline__ void build_maps_warp(const int* ids, int n, int E,
+                                                int* __restrict__ offsets,
+                                                int* __restrict__ sorted_rows,
+                                                int* __restrict__ inverse,
+                                                int* __restrict__ active, int active_len,
+                                                int* cnt) {
+    const int lane = threadIdx.x & 31;
+    const unsigned lower = (1u << lane) - 1u;
+    int4* cnt4 = reinterpret_cast<int4*>(cnt);
+    const int ea = lane < n ? sanitize_expert(ids[lane], E) : -1;
+    const int eb = lane + 32 < n ? sanitize_expert(ids[lane + 32], E) : -1;
+    const unsigned pa = __match_any_sync(kFull, ea), pb = __match_any_sync(kFull, eb);
+    const int ra = __popc(pa & lower);
+    int rb = __popc(pb & lower);
+    if (ea >= 0 && (pa & lower) == 0u) cnt[ea] = __popc(pa);
+    if (n > 32) {  // warp-uniform: the second chunk of rows
+        __syncwarp();
+        if (eb >= 0) rb += cnt[eb];  // rows 0..31 of the same expert come first
+        __syncwarp();
+        if (eb >= 0 && (pb & lower) == 0u) cnt[eb] += __popc(pb);
+    }
+    __syncwarp();
+    // Counts <= 64 and active experts <= 64: both sums fit one int as (count << 8) + active.
+    const int4 lo = cnt4[2 * lane], hi = cnt4[2 * lane + 1];
+    const int c[9] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w,
+                      lane == 31 ? cnt[256] : 0};
+    const int first = 8 * lane;
+    int packed = 0;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) packed += (c[i] << 8) + (first + i < E && c[i] > 0);
+    int incl = packed;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int t = __shfl_up_sync(kFull, incl, d);
+        incl += lane >= d ? t : 0;
+    }
+    int start[9];
+    int pos = (incl - packed) >> 8, a = (incl - packed) & 0xff;
+#pragma unroll
+    for (int i = 0; i < 9; ++i) {
+        const int b = first + i;
+        start[i] = pos;
+        if (b <= E && (i < 8 || lane == 31)) offsets[b] = pos;
+        if (b < E && c[i] > 0) active[a++] = b;
+        pos += c[i];
+    }
+    cnt4[2 * lane] = make_int4(start[0], start[1], start[2], start[3]);
+    cnt4[2 * lane + 1] = make_int4(start[4], start[5], start[6], start[7]);
+    if (lane == 31) cnt[256] = start[8];
+    const int n_active = __shfl_sync(kFull, incl, 31) & 0xff;
+    for (int i = n_active + lane; i < active_len; i += 32) active[i] = -1;
+    __syncwarp();
+    if (ea >= 0) {
+        const int row = cnt[ea] + ra;
+        inverse[lane] = row;
+        sorted_rows[row] = lane;
+    }
+    if (eb >= 0) {
+        const int row = cnt[eb] + rb;
+        inverse[lane + 32] = row;
+        sorted_rows[row] = lane + 32;
+    }
+}
+
 }  // namespace rt
 
 // ================================================================================================
@@ -382,10 +554,14 @@ __global__ void __launch_bounds__(128, 1) route_warp(
     }
 }
 
-// Routing and the expert maps in ONE launch (decode): one block; warp w routes tokens w, w + W,
-// ...; then the maps from the ids staged in shared memory. M * k <= 64, E <= 256, k <= kN.
+// Routing and the expert maps in ONE launch (decode): one block of W routing warps and one maps
+// warp (the last). Routing warp w routes tokens w, w + W, ...; once a warp has staged the ids of
+// its last token in shared memory it arrives on barrier 1 and goes on to that token's weights,
+// while the maps warp, released when every routing warp has arrived, builds the maps from the
+// staged ids. M * k <= 64, E <= 256, k <= kN, W <= 8.
+constexpr int kMapsBarrier = 1;
 template <typename T, int kMethod, int kN>
-__global__ void __launch_bounds__(256) route_fused(
+__global__ void __launch_bounds__(288) route_fused(
     const T* __restrict__ logits, long long ld, int n_tokens, int E, int k, int n_group,
     int topk_group, float scale, int renormalize, const float* __restrict__ bias,
     int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ offsets,
@@ -393,25 +569,35 @@ __global__ void __launch_bounds__(256) route_fused(
     int active_len) {
     __shared__ float scratch[kMethod == 2 ? 8 * 512 : 1];
     __shared__ int ids_s[64];
-    __shared__ int cnt[rt::kMaxWarpExperts + 1];
-    __shared__ long long wsum[32];
+    __shared__ __align__(16) int cnt[rt::kWarpMapBuckets];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n_warps = blockDim.x >> 5;
-    for (int t = warp; t < n_tokens; t += n_warps) {
-        int id;
-        float w;
-        rt::route_token_warp<T, kMethod, kN>(logits + t * ld, E, k, n_group, topk_group, scale,
-                                              renormalize, bias, scratch + warp * 512, lane, id,
-                                              w);
+    const int n_route = (blockDim.x >> 5) - 1;
+    if (warp == n_route) {
+        rt::zero_map_counts(cnt, lane);
+        asm volatile("bar.sync %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+        rt::build_maps_warp(ids_s, n_tokens * k, E, offsets, sorted_rows, inverse, active,
+                            active_len, cnt);
+        return;
+    }
+    if (warp >= n_tokens)
+        asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+    for (int t = warp; t < n_tokens; t += n_route) {
+        float val[kN], sig[kN];
+        uint32_t top;
+        const uint64_t mine = rt::select_token_warp<T, kMethod, kN>(
+            logits + t * ld, E, k, n_group, topk_group, bias, scratch + warp * 512, lane, val,
+            sig, top);
+        const int id = rt::key_expert(mine);
+        if (lane < k) ids_s[t * k + lane] = id;
+        if (t + n_route >= n_tokens)  // this warp's last token: its ids are all staged
+            asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+        const float w =
+            rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
         if (lane < k) {
-            ids_s[t * k + lane] = id;
             topk_ids[t * k + lane] = id;
             topk_weights[t * k + lane] = w;
         }
     }
-    __syncthreads();
-    rt::build_maps_block(ids_s, n_tokens * k, E, offsets, sorted_rows, inverse, active,
-                         active_len, cnt, wsum);
 }
 
 // General path: one block (256 threads) per token, any E <= 4096, k <= 64. Keys live in shared
