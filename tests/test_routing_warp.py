@@ -1,0 +1,229 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU transcription of the fused routing launch's warp algorithms (cupymoe/cuda/routing.cu),
+checked against the NumPy reference: the sorting networks (read from the kernel source), the
+top-k in rounds of two warp reductions over 32 sorted lanes, the top-2 of a group held in one
+register column, and the one-warp expert maps (8 buckets per lane, a packed lane scan).
+
+The GPU tests compare the kernels themselves with the reference; these tests pin the algorithms
+down on the CPU, tie rules included, so that a change to the design is checked in CI too."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+import pytest
+
+from cupymoe._compile import kernel_source
+from cupymoe.routing import (
+    Router,
+    _order_bits,
+    _top_k_by_key,
+    _warp_keys,
+    expert_maps_ref,
+    route_ref,
+)
+
+LANES = 32
+MASK32 = 0xFFFFFFFF
+
+
+def _network(n: int) -> list[tuple[int, int]]:
+    """The exchange list of ``sort_descending<n>`` as written in routing.cu."""
+    if n == 2:
+        return [(0, 1)]
+    src = kernel_source("routing")
+    m = re.search(r"kNet\[(\d+)\]\[2\] = \{(.*?)\};", src[src.index(f"N == {n})") :], re.S)
+    assert m is not None, f"no sorting network for N = {n} in routing.cu"
+    pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+), (\d+)\}", m.group(2))]
+    assert len(pairs) == int(m.group(1))
+    return pairs
+
+
+def _sort_descending(keys: list[int], net: list[tuple[int, int]]) -> list[int]:
+    a = list(keys)
+    for i, j in net:
+        if a[i] < a[j]:
+            a[i], a[j] = a[j], a[i]
+    return a
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_sorting_network_sorts_every_01_input(n: int) -> None:
+    # 0-1 principle: a comparator network that sorts every 0/1 input sorts every input.
+    net = _network(n)
+    for bits in itertools.product((0, 1), repeat=n):
+        assert _sort_descending(list(bits), net) == sorted(bits, reverse=True), bits
+    assert len(net) == {2: 1, 4: 5, 8: 19}[n]
+
+
+def _lane_keys(high: np.ndarray, kn: int) -> list[list[int]]:
+    """Lane l's keys (expert = l + 32 j): high word = score order, low word = ~expert."""
+    e = high.size
+    lanes = []
+    for lane in range(LANES):
+        keys = []
+        for j in range(kn):
+            x = lane + LANES * j
+            keys.append((int(high[x]) << 32) | (MASK32 - x) if x < e else 0)
+        lanes.append(keys)
+    return lanes
+
+
+def _warp_top_k(high: np.ndarray, k: int) -> list[int]:
+    """Transcription of rt::warp_top_k: sort each lane, then k rounds of two reductions."""
+    kn = _warp_keys(high.size, k)
+    net = _network(kn) if kn > 1 else []
+    lanes = [_sort_descending(keys, net) for keys in _lane_keys(high, kn)]
+    chosen = []
+    for _ in range(k):
+        heads = [keys[0] for keys in lanes]
+        best_hi = max(h >> 32 for h in heads)  # redux.max over the score words
+        best_lo = max(h & MASK32 for h in heads if h >> 32 == best_hi)  # then the expert words
+        best = (best_hi << 32) | best_lo
+        for keys in lanes:
+            if keys[0] == best:  # the lane holding it pops its head
+                keys[:] = [*keys[1:], 0]
+        chosen.append(MASK32 - best_lo)
+    return chosen
+
+
+def _scores(kind: str, e: int, rng: np.random.Generator) -> np.ndarray:
+    x = rng.standard_normal(e).astype(np.float32)
+    if kind == "ties":
+        x = np.round(x * 2).astype(np.float32)
+    elif kind == "equal":
+        x[:] = 0.25
+    elif kind == "nan":
+        x[rng.random(e) < 0.3] = np.nan
+        x[rng.random(e) < 0.1] = -np.inf
+        x[rng.random(e) < 0.1] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "nan"])
+@pytest.mark.parametrize(("e", "k"), [(8, 1), (8, 8), (32, 2), (60, 6), (128, 4), (256, 8)])
+def test_warp_top_k_matches_reference(kind: str, e: int, k: int) -> None:
+    rng = np.random.default_rng(e * 100 + k)
+    for _ in range(20):
+        x = _scores(kind, e, rng)
+        want = _top_k_by_key(_order_bits(x)[None, :], k)[0].tolist()
+        assert _warp_top_k(_order_bits(x), k) == want
+        # the same through route_ref (softmax_topk selects by logit)
+        assert route_ref(x[None, :], Router(e, k)).topk_ids[0].tolist() == want
+
+
+def _f32_from_order(o: int) -> np.float32:
+    u = o & 0x7FFFFFFF if o & 0x80000000 else ~o & MASK32
+    return np.array([u], np.uint32).view(np.float32)[0]
+
+
+def _groups_by_column(choice: np.ndarray, n_group: int, topk_group: int) -> list[bool]:
+    """Transcription of rt::groups_by_column (groups of 32 = register columns)."""
+    gorder = []
+    for g in range(n_group):
+        o = [int(v) for v in _order_bits(choice[32 * g : 32 * g + 32])]
+        m1 = max(o)
+        rest = max(v if v != m1 else 0 for v in o)
+        m2 = m1 if o.count(m1) > 1 else rest
+        total = np.float32(_f32_from_order(m1) + _f32_from_order(m2))
+        gorder.append(int(_order_bits(np.array([total], np.float32))[0]))
+    kept = []
+    for g in range(n_group):
+        rank = sum(h > gorder[g] or (h == gorder[g] and i < g) for i, h in enumerate(gorder))
+        kept.append(rank < topk_group)
+    return kept
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal", "nan"])
+@pytest.mark.parametrize(("n_group", "topk_group"), [(8, 4), (8, 1), (7, 3), (2, 1)])
+def test_groups_by_column_match_reference(kind: str, n_group: int, topk_group: int) -> None:
+    e, k = 32 * n_group, 4
+    rng = np.random.default_rng(n_group * 10 + topk_group)
+    for _ in range(10):
+        x = _scores(kind, e, rng)
+        bias = np.round(rng.standard_normal(e) * 8).astype(np.float32) / 64
+        router = Router(
+            e,
+            k,
+            "sigmoid_grouped",
+            n_group=n_group,
+            topk_group=topk_group,
+            correction_bias=bias,
+        )
+        # The choice scores as both the kernel and route_ref form them (NaN logit -> -inf).
+        from cupymoe.routing import sigmoid_f32
+
+        with np.errstate(invalid="ignore"):
+            c = (sigmoid_f32(x) + bias).astype(np.float32)
+        c[np.isnan(x)] = -np.inf
+        kept = _groups_by_column(c, n_group, topk_group)
+        ids = route_ref(x[None, :], router).topk_ids[0]
+        assert all(kept[i // 32] for i in ids)  # the reference only picks from kept groups
+        # and the kept groups are exactly those holding the reference's best choices
+        high = np.where(np.repeat(kept, 32), _order_bits(c), 0)
+        high[np.isnan(x) & np.repeat(kept, 32)] = 1
+        assert _top_k_by_key(high[None, :], k)[0].tolist() == ids.tolist()
+
+
+def _maps_warp(ids: np.ndarray, e: int) -> tuple[np.ndarray, ...]:
+    """Transcription of rt::build_maps_warp (n <= 64 rows, E <= 256, one warp)."""
+    n = ids.size
+    cnt = np.zeros(33 * 8, np.int64)
+    rank = np.zeros(64, np.int64)
+    for chunk in (0, 1):  # match.any within rows 0..31, then 32..63 after chunk 0's counts
+        base = 32 * chunk
+        for lane in range(LANES):
+            row = base + lane
+            if row < n:
+                peers = [r for r in range(base, min(base + 32, n)) if ids[r] == ids[row]]
+                rank[row] = peers.index(row) + (cnt[ids[row]] if chunk else 0)
+        for x in set(ids[base : min(base + 32, n)].tolist()):
+            cnt[x] += int(np.count_nonzero(ids[base : min(base + 32, n)] == x))
+    packed = []
+    for lane in range(LANES):
+        buckets = range(8 * lane, 8 * lane + (9 if lane == 31 else 8))
+        packed.append(sum((int(cnt[b]) << 8) + (b < e and cnt[b] > 0) for b in buckets))
+    excl = np.concatenate([[0], np.cumsum(packed)[:-1]])
+    offsets = np.zeros(e + 1, np.int32)
+    start = np.zeros(33 * 8, np.int64)
+    active = np.full(min(n, e), -1, np.int32)
+    for lane in range(LANES):
+        pos, a = int(excl[lane]) >> 8, int(excl[lane]) & 0xFF
+        for i in range(9 if lane == 31 else 8):
+            b = 8 * lane + i
+            start[b] = pos
+            if b <= e:
+                offsets[b] = pos
+            if b < e and cnt[b] > 0:
+                active[a] = b
+                a += 1
+            pos += int(cnt[b])
+    inverse = np.array([start[ids[r]] + rank[r] for r in range(n)], np.int32)
+    rows = np.empty(n, np.int32)
+    rows[inverse] = np.arange(n, dtype=np.int32)
+    return offsets, rows, inverse, active
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "e"),
+    [
+        (1, 8, 256),
+        (4, 8, 256),
+        (8, 8, 256),
+        (64, 1, 256),
+        (33, 1, 60),
+        (5, 6, 255),
+        (2, 2, 8),
+        (16, 4, 128),
+    ],
+)
+def test_maps_warp_matches_reference(m: int, k: int, e: int) -> None:
+    rng = np.random.default_rng(m * 1000 + k * 10 + e)
+    for _ in range(10):
+        # distinct experts within a token, as routing gives them; many shared across tokens
+        pool = rng.choice(e, size=min(e, 2 * k), replace=False)
+        ids = np.stack([rng.choice(pool, size=k, replace=False) for _ in range(m)]).astype(np.int32)
+        for got, want in zip(_maps_warp(ids.reshape(-1), e), expert_maps_ref(ids, e), strict=True):
+            np.testing.assert_array_equal(got, want)
