@@ -37,6 +37,7 @@ __all__ = [
     "compile_options",
     "get_kernel",
     "kernel_source",
+    "offline_options",
     "supported_offline_archs",
 ]
 
@@ -208,6 +209,17 @@ def supported_offline_archs() -> list[str]:
     return [f"sm_{a}" for a in _nvrtc().getSupportedArchs()]
 
 
+def offline_options(arch: str) -> list[str]:
+    """NVRTC options of an offline compile for ``arch``: the loader's, plus ``-ftz=true`` as CuPy
+    adds, plus the CUDA header directories."""
+    return [
+        f"--gpu-architecture={arch}",
+        *compile_options(),
+        "-ftz=true",
+        *(f"-I{d}" for d in _cuda_include_dirs()),
+    ]
+
+
 def compile_offline(specs: Sequence[KernelSpec], arch: str) -> list[OfflineResult]:
     """Compile ``specs`` to machine code for ``arch`` (``"sm_90"``) with NVRTC and no GPU.
 
@@ -219,13 +231,7 @@ def compile_offline(specs: Sequence[KernelSpec], arch: str) -> list[OfflineResul
     by_stage: dict[str, list[KernelSpec]] = {}
     for spec in specs:
         by_stage.setdefault(spec.stage, []).append(spec)
-    options = [
-        f"--gpu-architecture={arch}",
-        *compile_options(),
-        "-ftz=true",
-        "--ptxas-options=-v",
-        *(f"-I{d}" for d in _cuda_include_dirs()),
-    ]
+    options = [*offline_options(arch), "--ptxas-options=-v"]
     results: list[OfflineResult] = []
     for stage, stage_specs in by_stage.items():
         program = nvrtc.createProgram(kernel_source(stage), f"{stage}.cu", [], [])

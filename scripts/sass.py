@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cupymoe._compile import _cuda_include_dirs, _nvrtc, compile_options, kernel_source
+from cupymoe._compile import _nvrtc, kernel_source, offline_options
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -61,10 +61,8 @@ def cubin(stage: str, expressions: list[str], arch: str) -> tuple[bytes, dict[st
     try:
         for expression in expressions:
             nvrtc.addNameExpression(program, expression)
-        options = [f"--gpu-architecture={arch}", *compile_options(), "-ftz=true"]
-        options += [f"-I{d}" for d in _cuda_include_dirs()]
         try:
-            nvrtc.compileProgram(program, options)
+            nvrtc.compileProgram(program, offline_options(arch))
         except nvrtc.NVRTCError:
             sys.exit(nvrtc.getProgramLog(program))
         lowered = {e: nvrtc.getLoweredName(program, e) for e in expressions}

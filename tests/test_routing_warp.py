@@ -23,6 +23,7 @@ from cupymoe.routing import (
     _warp_keys,
     expert_maps_ref,
     route_ref,
+    sigmoid_f32,
 )
 
 LANES = 32
@@ -153,8 +154,6 @@ def test_groups_by_column_match_reference(kind: str, n_group: int, topk_group: i
             correction_bias=bias,
         )
         # The choice scores as both the kernel and route_ref form them (NaN logit -> -inf).
-        from cupymoe.routing import sigmoid_f32
-
         with np.errstate(invalid="ignore"):
             c = (sigmoid_f32(x) + bias).astype(np.float32)
         c[np.isnan(x)] = -np.inf
