@@ -159,8 +159,8 @@ def _decode(w: np.ndarray, dtype: np.dtype, pair: bool) -> tuple[np.ndarray, int
         keep = U32(0x81C081C0)
         s = [w & U32(0x000F000F << (4 * j)) for j in range(4)]
         h = [
-            ((s[0] << U32(6)) | (s[0] << U32(12))) & keep,
-            ((s[1] << U32(2)) | (s[1] << U32(8))) & keep,
+            (s[0] * U32(64 + 4096)) & keep,  # the kernel's sums (equal to the ORs of the shifts)
+            (s[1] * U32(4 + 256)) & keep,
             ((s[2] >> U32(2)) | (s[2] << U32(4))) & keep,
             ((s[3] >> U32(6)) | s[3]) & keep,
         ]

@@ -121,11 +121,14 @@ template <> struct Decoder<__nv_bfloat16, true> {
     __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
         constexpr uint32_t kKeep = 0x81C081C0u;  // bits 15, 6-8 of each half
         // Slot j: magnitude shift 6 - 4j, sign shift 12 - 4j; one pair of slots at a time (a bf16
-        // shift of 6 would carry a neighbouring nibble into the sign bit).
+        // shift of 6 would carry a neighbouring nibble into the sign bit). For slots 0 and 1 both
+        // shifts are left shifts whose copies of the masked nibbles share no bit (a copy 6 bits up
+        // of a 4-bit nibble ends below the copy 12 bits up): the sum is the OR, one IMAD for two
+        // shifts and the OR.
         const uint32_t s0 = w & 0x000F000Fu, s1 = w & 0x00F000F0u;
         const uint32_t s2 = w & 0x0F000F00u, s3 = w & 0xF000F000u;
-        h[0] = ((s0 * 64u) | (s0 * 4096u)) & kKeep;  // << 6, << 12
-        h[1] = ((s1 * 4u) | (s1 * 256u)) & kKeep;    // << 2, << 8
+        h[0] = (s0 * (64u + 4096u)) & kKeep;         // << 6 | << 12
+        h[1] = (s1 * (4u + 256u)) & kKeep;           // << 2 | << 8
         h[2] = ((s2 >> 2) | (s2 * 16u)) & kKeep;     // >> 2, << 4
         h[3] = ((s3 >> 6) | s3) & kKeep;
     }
