@@ -271,7 +271,18 @@ def _device(w: Fp4Experts | DeviceFp4, name: str, pair_interleaved: bool | None)
         w = DeviceFp4.from_experts(w, pair_interleaved=order)
     if w.packed.data.ptr % 16:  # the kernels load 16 bytes at a time
         raise ValueError(f"{name}.packed: expected a 16-byte aligned array")
+    check_expert_bytes(w.n, w.k, name)
     return w
+
+
+def check_expert_bytes(n: int, k: int, name: str) -> None:
+    """The GEMV addresses one expert's padded ``[n, K/2]`` bytes with 32-bit offsets."""
+    size = n * _chunks(k) * CHUNK // 2
+    if size >= 2**32:
+        raise ValueError(
+            f"{name}: one expert's weights take {size} bytes ({n} x {k} codes); "
+            "the GEMV supports less than 4 GiB per expert"
+        )
 
 
 def _chunks(k: int) -> int:

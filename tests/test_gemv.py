@@ -316,6 +316,15 @@ def test_kernel_layouts_emulated(
             np.testing.assert_allclose(out, gemv_ref(x, m, offsets), rtol=1e-12, atol=1e-12)
 
 
+def test_expert_bytes_limit() -> None:
+    """32-bit lane offsets: an expert of 4 GiB or more is refused before any kernel runs."""
+    gemv.check_expert_bytes(131072, 65504, "w")  # 131072 x 2047 chunks x 16 bytes < 2^32
+    with pytest.raises(ValueError, match="less than 4 GiB per expert"):
+        gemv.check_expert_bytes(131072, 65536, "w")  # exactly 2^32 bytes
+    with pytest.raises(ValueError, match="w: one expert"):
+        gemv.check_expert_bytes(200000, 50000, "w")  # 5.0e9 bytes
+
+
 def test_tile_scales_layout() -> None:
     # FC2: [E=1, N=16, 2 blocks] -> tile 0, chunk 0, lane row g: bytes (row g, row g + 8)
     s = np.arange(32, dtype=np.uint8).reshape(1, 16, 2)

@@ -201,6 +201,96 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
     }
 }
 
+// One lane's part of the K loop: its pointers at the current iteration and its accumulators.
+// Step u of an iteration reads the chunk u * kStep past the lane's pointers; every load of the
+// iteration is issued before the first decode.
+template <int kFormat, typename T, bool kPairInterleaved, int kTiles, int kWarps> struct KLoop {
+    using Dec = Decoder<T, kPairInterleaved>;
+    static constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
+    static constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g, g + 8: 4 (NVFP4), 2 (MXFP4)
+    static constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
+    static constexpr int kStep = kWarps * 4;                 // chunks per step of the block
+
+    // An address is a block-uniform 64-bit base, advanced once per iteration, plus a loop-invariant
+    // 32-bit lane offset: two adds per load, and fewer registers than a 64-bit pointer per row.
+    const uint8_t* wbase[2];  // the expert's weights (FC2: twice; FC1: gate, up) at the iteration
+    const uint8_t* sbase;     // the expert's scale bytes at the iteration
+    uint32_t woff[kTiles][2];  // weight rows g and g + 8 of each m-tile, at the lane's first chunk
+    uint32_t soff[kTiles];     // scale bytes of rows g, g + 8 of each m-tile, at that chunk
+    const T* xp;              // activation row g at the current iteration
+    float acc[kTiles][4];
+
+    // kChecked: chunk c = first + u * kStep exists only if c < chunks, x element k0 only if
+    // k0 < k; the rest read as zeros (an mma needs the whole warp, so lanes past K take part).
+    template <bool kChecked>
+    __device__ __forceinline__ void iteration(const uint32_t* table, int first, int chunks, int k) {
+        uint4 wv[kUnroll][kTiles][2];
+        uint32_t sv[kUnroll][kTiles];
+        uint4 xv[kUnroll][4];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int c = first + u * kStep;
+            const bool live = !kChecked || c < chunks;
+#pragma unroll
+            for (int m = 0; m < kTiles; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    wv[u][m][h] = live ? load_weights(wbase[h] + woff[m][h] +
+                                                      u * kStep * (kChunk / 2))
+                                       : make_uint4(0u, 0u, 0u, 0u);
+                const uint8_t* s = sbase + soff[m] + u * kStep * 8 * kScaleBytes;
+                if constexpr (kScaleBytes == 4) {
+                    sv[u][m] = live ? __ldg(reinterpret_cast<const uint32_t*>(s)) : 0u;
+                } else {
+                    sv[u][m] = live ? __ldg(reinterpret_cast<const uint16_t*>(s)) : 0u;
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const bool in_k = !kChecked || (live && c * kChunk + 8 * q < k);
+                xv[u][q] = in_k ? __ldg(reinterpret_cast<const uint4*>(xp + u * kStep * kChunk) + q)
+                                : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+#pragma unroll
+                for (int m = 0; m < kTiles; ++m) {
+                    const uint32_t w0[4] = {wv[u][m][0].x, wv[u][m][0].y, wv[u][m][0].z,
+                                            wv[u][m][0].w};
+                    const uint32_t w1[4] = {wv[u][m][1].x, wv[u][m][1].y, wv[u][m][1].z,
+                                            wv[u][m][1].w};
+                    // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+                    const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+                    // (prmt moves the byte down and clears the rest: one instruction.)
+                    const uint32_t s0 = table[prmt(sv[u][m], 0u, 0x4440u + b0)];
+                    const uint32_t s1 = table[prmt(sv[u][m], 0u, 0x4440u + b0 + kScaleBytes / 2)];
+                    uint32_t h0[4], h1[4];
+                    Dec::run(w0[q], h0);
+                    Dec::run(w1[q], h1);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        h0[i] = mul2(h0[i], s0, T());
+                        h1[i] = mul2(h1[i], s1, T());
+                    }
+                    // A fragment: {row g k 2t.., row g+8 k 2t.., row g k 2t+8.., row g+8 k 2t+8..}
+                    const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
+                    const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
+                    mma(acc[m], a_lo, xv[u][q].x, xv[u][q].y, T());
+                    mma(acc[m], a_hi, xv[u][q].z, xv[u][q].w, T());
+                }
+            }
+        }
+        // Next iteration.
+        wbase[0] += kUnroll * kStep * (kChunk / 2);
+        wbase[1] += kUnroll * kStep * (kChunk / 2);
+        sbase += kUnroll * kStep * 8 * kScaleBytes;
+        xp += kUnroll * kStep * kChunk;
+    }
+};
+
 // The arguments of one launch, gathered for the shared body.
 struct Params {
     const void* x;              // activations: [tokens, k] (FC1, token order) or [rows, k] (FC2)
@@ -227,9 +317,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     constexpr int kWarps = kThreads / 32;
     constexpr int kTiles = kCtaN / 16;
     constexpr bool kGated = kAct != 0;
-    constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
-    constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g and g + 8: 4 (NVFP4) or 2 (MXFP4)
-    constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
+    constexpr int kScaleBytes = KLoop<kFormat, T, kPairInterleaved, kTiles, kWarps>::kScaleBytes;
     constexpr int kColsPerTile = kGated ? 8 : 16;
     static_assert(kWarps >= 2 && kThreads % 32 == 0 && kCtaN % 16 == 0 && kTiles * 32 <= kThreads,
                   "kThreads: 2+ warps; kCtaN: a multiple of 16, at most 16 * kThreads / 32");
@@ -261,7 +349,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     // (32-bit row and tile indices, not 64-bit pointers: fewer registers for the wide tilings.)
     const uint8_t* const wbase0 = p.w0 + (size_t)e * p.n * row_bytes;
     const uint8_t* const wbase1 = (kGated ? p.w1 : p.w0) + (size_t)e * p.n * row_bytes;
-    const uint8_t* const sbase = p.scales + ((size_t)e * tiles * p.chunks * 8 + g) * kScaleBytes;
+    const uint8_t* const sbase = p.scales + (size_t)e * tiles * p.chunks * 8 * kScaleBytes;
     int wrow[kTiles][2], stile[kTiles];
 #pragma unroll
     for (int m = 0; m < kTiles; ++m) {
@@ -270,82 +358,45 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
         wrow[m][1] = kGated ? wrow[m][0] : min(stile[m] * kColsPerTile + g + 8, p.n - 1);
     }
 
+    // Step u of iteration i reads chunk (i * kUnroll + u) * kStep + warp * 4 + t. Iterations whose
+    // chunks all lie inside K (every lane of the warp) run without bounds checks; the last one or
+    // two run checked.
+    using Loop = KLoop<kFormat, T, kPairInterleaved, kTiles, kWarps>;
+    constexpr int kAdvance = Loop::kUnroll * Loop::kStep;  // chunks per iteration
+    const int lane_chunk = warp * 4 + t;
+    const int full_chunks = p.k / kChunk;  // chunks entirely inside K
+    const int warp_last = kAdvance - Loop::kStep + warp * 4 + 3;  // last chunk of iteration 0
+
     for (int r0 = row_begin; r0 < row_end; r0 += 8) {
-        // This lane's activation row (B column g): FC1 reads x in token order.
+        // This lane's activation row (B column g): FC1 reads x in token order. A lane past the
+        // expert's last row reads row 0 (valid memory): B column g only feeds the sums of
+        // activation row g, which are then never stored.
         const int row = r0 + g;
-        const bool row_live = row < row_end;
-        const int src = !row_live ? 0 : (p.row_source ? p.row_source[row] / p.top_k : row);
-        const T* xrow = static_cast<const T*>(p.x) + (size_t)src * p.k;
+        const int src = row >= row_end ? 0 : (p.row_source ? p.row_source[row] / p.top_k : row);
 
-        float acc[kTiles][4];
+        Loop loop;
+        loop.wbase[0] = wbase0;
+        loop.wbase[1] = wbase1;
+        loop.sbase = sbase;
 #pragma unroll
-        for (int m = 0; m < kTiles; ++m)
+        for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[m][i] = 0.0f;
-
-        for (int j = warp; j * 4 < p.chunks; j += kUnroll * kWarps) {  // uniform per warp
-            // All loads of the iteration first; chunks past the end read as zeros (an mma needs
-            // the whole warp, so the lanes past K still take part).
-            uint4 wv[kUnroll][kTiles][2];
-            uint32_t sv[kUnroll][kTiles];
-            uint4 xv[kUnroll][4];
+            for (int h = 0; h < 2; ++h)
+                loop.woff[m][h] = wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
+            loop.soff[m] = ((stile[m] * p.chunks + lane_chunk) * 8 + g) * kScaleBytes;
 #pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int c = (j + u * kWarps) * 4 + t;
-                const bool live = c < p.chunks;
-#pragma unroll
-                for (int m = 0; m < kTiles; ++m) {
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)
-                        wv[u][m][h] = live ? load_weights((h ? wbase1 : wbase0) +
-                                                          (size_t)wrow[m][h] * row_bytes + c * (kChunk / 2))
-                                           : make_uint4(0u, 0u, 0u, 0u);
-                    const uint8_t* sp = sbase + ((size_t)stile[m] * p.chunks + c) * 8 * kScaleBytes;
-                    if constexpr (kScaleBytes == 4) {
-                        sv[u][m] = live ? __ldg(reinterpret_cast<const uint32_t*>(sp)) : 0u;
-                    } else {
-                        sv[u][m] = live ? __ldg(reinterpret_cast<const uint16_t*>(sp)) : 0u;
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const int k0 = c * kChunk + 8 * q;  // K padding past k reads zeros
-                    xv[u][q] = (live && row_live && k0 < p.k)
-                                   ? __ldg(reinterpret_cast<const uint4*>(xrow + k0))
-                                   : make_uint4(0u, 0u, 0u, 0u);
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-#pragma unroll
-                    for (int m = 0; m < kTiles; ++m) {
-                        const uint32_t w0[4] = {wv[u][m][0].x, wv[u][m][0].y, wv[u][m][0].z,
-                                                wv[u][m][0].w};
-                        const uint32_t w1[4] = {wv[u][m][1].x, wv[u][m][1].y, wv[u][m][1].z,
-                                                wv[u][m][1].w};
-                        // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
-                        const int b0 = kScaleBytes == 4 ? q / 2 : 0;
-                        const uint32_t s0 = table[(sv[u][m] >> (8 * b0)) & 0xFFu];
-                        const uint32_t s1 = table[(sv[u][m] >> (8 * (b0 + kScaleBytes / 2))) & 0xFFu];
-                        uint32_t h0[4], h1[4];
-                        Dec::run(w0[q], h0);
-                        Dec::run(w1[q], h1);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            h0[i] = mul2(h0[i], s0, T());
-                            h1[i] = mul2(h1[i], s1, T());
-                        }
-                        // A fragment: {row g k 2t.., row g+8 k 2t.., row g k 2t+8.., row g+8 k 2t+8..}
-                        const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
-                        const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
-                        mma(acc[m], a_lo, xv[u][q].x, xv[u][q].y, T());
-                        mma(acc[m], a_hi, xv[u][q].z, xv[u][q].w, T());
-                    }
-                }
-            }
+            for (int i = 0; i < 4; ++i) loop.acc[m][i] = 0.0f;
         }
+        loop.xp = static_cast<const T*>(p.x) + (size_t)src * p.k + lane_chunk * kChunk;
+
+        int first = lane_chunk;  // this lane's chunk in step 0 of the current iteration
+        for (int last = warp_last; last < full_chunks; last += kAdvance) {  // uniform per warp
+            loop.template iteration<false>(table, first, p.chunks, p.k);
+            first += kAdvance;
+        }
+        for (; first - t < p.chunks; first += kAdvance)
+            loop.template iteration<true>(table, first, p.chunks, p.k);
+        const float (&acc)[kTiles][4] = loop.acc;
 
         // Per-warp sums -> shared; thread i < kTiles * 32 adds the warps in order and stores.
         if constexpr (kWarps > 1) {
