@@ -91,10 +91,16 @@ def n_layers_for(shape: LayerShape, min_layers: int = 2, max_layers: int = 64) -
 
 
 def build_stack(
-    shape: LayerShape, n_layers: int, seed: int, *, pair: bool = True
+    shape: LayerShape, n_layers: int, seed: int, *, order: str = "split"
 ) -> list[tuple[Any, Any]]:
-    """``n_layers`` x (PreparedFc1, PreparedFc2) with distinct random weights (nibble order
-    pair-interleaved, the library's default, or plain)."""
+    """``n_layers`` x (PreparedFc1, PreparedFc2) with distinct random weights; ``order``: the
+    weights the GEMV reads, ``"split"`` (the library's default layout) or the uploaded bytes
+    themselves in the ``"pair"``-interleaved or ``"plain"`` nibble order."""
+    kw: dict[str, Any] = (
+        {"gemv_order": "split"}
+        if order == "split"
+        else {"gemv_order": "native", "pair_interleaved": order == "pair"}
+    )
     e, h, i, fmt = shape.n_experts, shape.hidden, shape.intermediate, shape.format
     rng = np.random.default_rng(seed)
     stack = []
@@ -106,8 +112,8 @@ def build_stack(
         def bias(n: int) -> np.ndarray | None:
             return rng.standard_normal((e, n)).astype(np.float32) * 0.1 if shape.biases else None
 
-        fc1 = gemv.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i), pair_interleaved=pair)
-        fc2 = gemv.prepare_fc2(down, bias=bias(h), pair_interleaved=pair)
+        fc1 = gemv.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i), **kw)
+        fc2 = gemv.prepare_fc2(down, bias=bias(h), **kw)
         stack.append((fc1, fc2))
         del gate, up, down
     return stack
@@ -154,7 +160,7 @@ def bench_preset(
     layers: int | None,
     repeats: int,
     seed: int,
-    pair: bool = True,
+    order: str = "split",
 ) -> list[dict[str, Any]]:
     """Rows of results (one per token count) for one preset."""
     cupy = _cupy()
@@ -162,7 +168,7 @@ def bench_preset(
     n_layers = layers or n_layers_for(shape)
     h, i, k = shape.hidden, shape.intermediate, shape.top_k
     print(f"[{shape.name}] building {n_layers} layers of random weights ...", file=sys.stderr)
-    stack = build_stack(shape, n_layers, seed, pair=pair)
+    stack = build_stack(shape, n_layers, seed, order=order)
     act = gemv.ActivationSpec(gemv.Activation(shape.activation))
     rng = np.random.default_rng(seed + 1)
     rows_out = []
@@ -238,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", dest="json_path", default=None, help="write results here")
     parser.add_argument(
-        "--order", choices=("pair", "plain"), default="pair", help="nibble order of the weights"
+        "--order",
+        choices=("split", "pair", "plain"),
+        default="split",
+        help="weights the GEMV reads: the split layout or the uploaded nibble order",
     )
     args = parser.parse_args(argv)
     if args.repeats < 20:
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             layers=args.layers,
             repeats=args.repeats,
             seed=args.seed,
-            pair=args.order == "pair",
+            order=args.order,
         )
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:

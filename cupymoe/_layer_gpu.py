@@ -48,9 +48,13 @@ class DeviceLayer:
             gate_bias=layer.gate_bias,
             up_bias=layer.up_bias,
             pair_interleaved=layer.pair_interleaved,
+            gemv_order=layer.gemv_order,
         )
         self.fc2_weights = prepare_fc2(
-            layer.down, bias=layer.fc2_bias, pair_interleaved=layer.pair_interleaved
+            layer.down,
+            bias=layer.fc2_bias,
+            pair_interleaved=layer.pair_interleaved,
+            gemv_order=layer.gemv_order,
         )
         self._workspaces: dict[np.dtype, _Workspace] = {}
 

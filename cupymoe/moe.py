@@ -19,7 +19,7 @@ from ._backend import gpu_available, is_cupy_array, require_cupy
 from .expand import expand_ref
 from .finalize import finalize_ref
 from .formats import Fp4Experts
-from .gemv import Activation, ActivationSpec, fc1_ref, gemv_ref
+from .gemv import Activation, ActivationSpec, _gemv_order, fc1_ref, gemv_ref
 from .routing import Router, RoutingMethod, route_ref
 
 __all__ = ["Fc1Layout", "MoELayer", "moe_reference"]
@@ -126,6 +126,10 @@ class MoELayer:
     pair_interleaved : bool
         Store the GPU weights in the SM80 pair-interleaved nibble order (the default: the GEMV
         decodes it with fewer instructions than the plain order; both give identical results).
+    gemv_order : str, optional
+        The weight layout the GEMV reads (:data:`cupymoe.gemv.GEMV_ORDERS`): ``"split"`` (the
+        default, :data:`cupymoe.gemv.DEFAULT_GEMV_ORDER`; fastest, a second copy of the weights on
+        the GPU) or ``"native"`` (the uploaded bytes themselves). Results are identical.
 
     Notes
     -----
@@ -153,6 +157,7 @@ class MoELayer:
         fc2_bias: Any = None,
         max_tokens: int = 64,
         pair_interleaved: bool = True,
+        gemv_order: str | None = None,
     ) -> None:
         gate, up, gate_rows, up_rows = _split_fc1(fc1, fc1_layout)
         if not isinstance(fc2, Fp4Experts):
@@ -187,6 +192,7 @@ class MoELayer:
         self.fc2_bias = _bias(fc2_bias, "fc2_bias", (n_experts, hidden))
         self.max_tokens = int(max_tokens)
         self.pair_interleaved = bool(pair_interleaved)
+        self.gemv_order = _gemv_order(gemv_order)  # ValueError before any upload
         self._gpu: Any = None  # prepared device weights and workspaces, built on first GPU use
         self._warned_reference = False
 

@@ -128,11 +128,32 @@ def _prmt(a: np.ndarray, b: np.ndarray, sel: np.ndarray) -> np.ndarray:
     return out
 
 
-def _decode(w: np.ndarray, dtype: np.dtype, pair: bool) -> tuple[np.ndarray, int]:
-    """Decoder<T, pair>::run: uint32 words [n] -> 16-bit patterns [n, 8] in logical order, kExp."""
+ORDERS = ["plain", "pair", "split"]  # the GEMV's kOrder 0, 1, 2
+
+
+def _decode(w: np.ndarray, dtype: np.dtype, order: str) -> tuple[np.ndarray, int]:
+    """Decoder<T, kOrder>::run: uint32 words [n] -> 16-bit patterns [n, 8] (logical order), kExp."""
     w = np.asarray(w, U32)
     h = []
-    if not pair:
+    if order == "split" and dtype == np.float16:
+        mag, sign, w8 = U32(0x0E000E00), U32(0x80008000), w << U32(3)
+        h = [
+            (w8 & mag) | (w & sign),
+            ((w << U32(6)) & mag) | (w8 & sign),
+            ((w & U32(0x40074007)) * U32(512 + 2)) & U32(0x8E008E00),
+            (w & mag) | ((w << U32(2)) & sign),
+        ]
+        exp = -14
+    elif order == "split":
+        keep, mag, sign = U32(0x81C081C0), U32(0x01C001C0), U32(0x80008000)
+        h = [
+            w & keep,
+            (w << U32(3)) & keep,
+            ((w & U32(0x40074007)) * U32(64 + 2)) & keep,
+            ((w >> U32(3)) & mag) | ((w << U32(2)) & sign),
+        ]
+        exp = -126
+    elif order == "plain":
         mag, sgn = w & U32(0x77777777), (w >> U32(3)) & U32(0x11111111)
         for j in range(2):
             sel, sg = mag >> U32(16 * j), sgn >> U32(16 * j)
@@ -187,25 +208,45 @@ def _exact_in(values: np.ndarray, dtype: np.dtype, *, normal: bool) -> np.ndarra
     return ok
 
 
-def _words_of(codes: np.ndarray, pair: bool) -> np.ndarray:
-    """codes [n, 8] (logical order) -> uint32 words, plain or pair-interleaved nibble order."""
-    slots = [0, 4, 1, 5, 2, 6, 3, 7] if pair else list(range(8))  # slot of logical element i
+def _words_of(codes: np.ndarray, order: str) -> np.ndarray:
+    """codes [n, 8] (logical order) -> uint32 words in the plain, pair-interleaved or split order
+    (the split words through gemv.split_words, from either source order)."""
+    if order == "split":
+        return gemv.split_words(_words_of(codes, "pair"), True)
+    slots = [0, 4, 1, 5, 2, 6, 3, 7] if order == "pair" else list(range(8))  # slot of element i
     words = np.zeros(codes.shape[0], U32)
     for i in range(8):
         words |= codes[:, i].astype(U32) << U32(4 * slots[i])
     return words
 
 
-@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+def test_split_words_from_either_order(rng: np.random.Generator) -> None:
+    """split_words places element 2p's magnitude at _SPLIT_MAG[p] and sign at _SPLIT_SIGN[p] of
+    the low half (2p + 1: high half), whichever order the source words are in."""
+    codes = rng.integers(0, 16, size=(512, 8), dtype=np.uint32)
+    split = gemv.split_words(_words_of(codes, "plain"), False)
+    assert split.tobytes() == gemv.split_words(_words_of(codes, "pair"), True).tobytes()
+    for i in range(8):
+        p, half = divmod(i, 2)
+        mag = (split >> U32(16 * half + gemv._SPLIT_MAG[p])) & U32(7)
+        sign = (split >> U32(16 * half + gemv._SPLIT_SIGN[p])) & U32(1)
+        np.testing.assert_array_equal(mag | (sign << U32(3)), codes[:, i])
+    hand = gemv.split_words(np.array([0x8], U32), False)  # element 0 = -0: sign bit 15 only
+    assert hand.tolist() == [0x8000]
+    with pytest.raises(TypeError, match="words: expected uint32"):
+        gemv.split_words(np.zeros(3, np.int64), False)
+
+
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
-def test_decoders_are_exact(dtype: np.dtype, pair: bool, rng: np.random.Generator) -> None:
+def test_decoders_are_exact(dtype: np.dtype, order: str, rng: np.random.Generator) -> None:
     codes = np.concatenate(
         [
             np.repeat(np.arange(16, dtype=np.uint32), 8).reshape(16, 8),  # every code in every slot
             rng.integers(0, 16, size=(4096, 8), dtype=np.uint32),
         ]
     )
-    bits, exp = _decode(_words_of(codes, pair), dtype, pair)
+    bits, exp = _decode(_words_of(codes, order), dtype, order)
     got = _as_f64(bits, dtype) * 2.0**-exp
     want = E2M1_VALUES[codes].astype(np.float64)
     np.testing.assert_array_equal(got, want)
@@ -221,16 +262,17 @@ def _table_value(fmt: str, dtype: np.dtype, byte: np.ndarray, shift: int) -> np.
         return v.astype(dtype).astype(np.float64)
 
 
-@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_block_scale_fold_is_exact(fmt: str, dtype: np.dtype, pair: bool) -> None:
+def test_block_scale_fold_is_exact(fmt: str, dtype: np.dtype, order: str) -> None:
     """code * scale in 16 bits (mul2 of a decoded pair with the table) is exact for every code and
     every scale byte in use: all 256 E4M3 bytes; for MXFP4 the widest byte range the shift of
     mx_scale_shift accepts, at both ends of the exponent range."""
     codes = np.repeat(np.arange(16, dtype=np.uint32)[:, None], 8, axis=1)
-    bits, exp = _decode(_words_of(codes, pair), dtype, pair)
+    bits, exp = _decode(_words_of(codes, order), dtype, order)
     decoded = _as_f64(bits[:, 0], dtype)  # code * 2^exp
+    pair = order != "plain"  # the split decoders place the code bits like the pair decoders
     table_shift = 116 if exp == -126 else 0
     is_bf16 = dtype == BF16
     if fmt == "nvfp4":
@@ -258,14 +300,16 @@ def test_block_scale_fold_is_exact(fmt: str, dtype: np.dtype, pair: bool) -> Non
 
 
 def _emulate_kernel(
-    x: np.ndarray, mats: list[Fp4Experts], offsets: np.ndarray, pair: bool, dtype: np.dtype
+    x: np.ndarray, mats: list[Fp4Experts], offsets: np.ndarray, order: str, dtype: np.dtype
 ) -> list[np.ndarray]:
-    """The kernel's index math in NumPy: padded packed rows, scales from tile_scales at the byte a
-    lane (g, t) reads for its rows g / g + 8, the decoders, the scale table and the epilogue's
-    power of two. Returns the weight rows' dot products with x, per matrix."""
+    """The kernel's index math in NumPy: padded packed rows (plain, pair) or the split layout's
+    bytes at [e, tile, chunk, row in tile], scales from tile_scales at the byte a lane (g, t)
+    reads for its rows g / g + 8, the decoders, the scale table and the epilogue's power of two.
+    Returns the weight rows' dot products with x, per matrix."""
     w0 = mats[0]
     block, k, n = w0.block_size, w0.k, w0.n
     per_chunk = 32 // block
+    pair = order != "plain"
     packed = [gemv.pad_packed(to_pair_interleaved(m.packed) if pair else m.packed, k) for m in mats]
     tiled = gemv.tile_scales([m.scales for m in mats], k, block)
     shift = gemv.mx_scale_shift(
@@ -276,6 +320,7 @@ def _emulate_kernel(
     x_pad = np.zeros((x.shape[0], chunks * 32))
     x_pad[:, :k] = x
     rows_per_tile = 16 // len(mats)
+    split = [gemv.gemv_layout(to_pair_interleaved(m.packed), k, True, rows_per_tile) for m in mats]
     outs = [np.zeros((x.shape[0], n)) for _ in mats]
     for e in np.flatnonzero(np.diff(offsets)):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -283,8 +328,11 @@ def _emulate_kernel(
             tile, r = divmod(col, rows_per_tile)
             for m, mat in enumerate(mats):
                 half, g = (m, r) if len(mats) == 2 else divmod(r, 8)
-                words = np.ascontiguousarray(packed[m][e, col]).view("<u4")
-                bits, exp = _decode(words, dtype, pair)
+                if order == "split":  # [E, tiles, chunks, rows, 16]: row r of every chunk
+                    words = np.ascontiguousarray(split[m][e, tile, :, r]).view("<u4").reshape(-1)
+                else:
+                    words = np.ascontiguousarray(packed[m][e, col]).view("<u4")
+                bits, exp = _decode(words, dtype, order)
                 table_shift = 116 if exp == -126 else 0
                 row_bytes = tiled[
                     e, tile, :, (g * 2 + half) * per_chunk : (g * 2 + half + 1) * per_chunk
@@ -299,10 +347,10 @@ def _emulate_kernel(
 
 
 @pytest.mark.parametrize("fmt, k", [("nvfp4", 48), ("nvfp4", 64), ("mxfp4", 96)])
-@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 def test_kernel_layouts_emulated(
-    fmt: str, k: int, pair: bool, dtype: np.dtype, rng: np.random.Generator
+    fmt: str, k: int, order: str, dtype: np.dtype, rng: np.random.Generator
 ) -> None:
     from cupymoe.presets import random_fp4_experts
 
@@ -311,9 +359,23 @@ def test_kernel_layouts_emulated(
     x = rng.standard_normal((5, k))
     offsets = np.array([0, 2, 2, 5])
     for used in (mats, mats[:1]):  # FC1 (gate, up) and FC2 tilings
-        got = _emulate_kernel(x, used, offsets, pair, dtype)
+        got = _emulate_kernel(x, used, offsets, order, dtype)
         for m, out in zip(used, got, strict=True):
             np.testing.assert_allclose(out, gemv_ref(x, m, offsets), rtol=1e-12, atol=1e-12)
+
+
+def test_gemv_layout_shape_and_padding(rng: np.random.Generator) -> None:
+    """[E, tiles, chunks, rows, 16]: zero rows past N in the last tile, zero codes past K."""
+    from cupymoe.presets import random_fp4_experts
+
+    w = random_fp4_experts(rng, 2, 19, 48, "nvfp4")  # 19 rows: 2 tiles of 16; K 48: 2 chunks
+    lay = gemv.gemv_layout(w.packed, 48, False, 16)
+    assert lay.shape == (2, 2, 2, 16, 16) and lay.dtype == np.uint8
+    assert not lay[:, 1, :, 3:].any()  # rows 19..31
+    assert not lay[:, :, 1, :, 8:].any()  # codes 48..63
+    first = np.ascontiguousarray(lay[1, 0, 0, 5]).view("<u4")  # expert 1, row 5, codes 0..31
+    want = gemv.split_words(np.ascontiguousarray(w.packed[1, 5, :16]).view("<u4"), False)
+    assert first.tolist() == want.tolist()
 
 
 def test_expert_bytes_limit() -> None:
@@ -347,7 +409,7 @@ def test_tile_scales_layout() -> None:
 class Case:
     fmt: str
     dtype: np.dtype
-    pair: bool
+    order: str  # ORDERS: plain / pair = the DeviceFp4 bytes (gemv_order "native"), split
     bias: bool
     n: int  # output columns (I for fc1, H for fc2)
     k: int
@@ -358,7 +420,7 @@ class Case:
 
     def __str__(self) -> str:
         return (
-            f"{self.fmt}-{self.dtype.name}-{'pair' if self.pair else 'plain'}-"
+            f"{self.fmt}-{self.dtype.name}-{self.order}-"
             f"{'bias' if self.bias else 'nobias'}-{self.act}-N{self.n}K{self.k}E{self.n_experts}"
             f"-M{self.n_tokens}x{self.top_k}"
         )
@@ -368,27 +430,29 @@ def _cases() -> list[Case]:
     cases = []
     for fmt in ("nvfp4", "mxfp4"):
         for dtype in (BF16, np.dtype(np.float16)):
-            for pair in (False, True):
+            for order in ORDERS:
                 for bias in (False, True):
                     for i, act in enumerate(("swiglu", "geglu", "swiglu_oai")):
                         # 3 chunks (odd for the two-chunk unroll); NVFP4 176 = 5.5 chunks (padded)
                         k = (96, 176, 64)[i] if fmt == "nvfp4" else (96, 160, 64)[i]
-                        cases.append(Case(fmt, dtype, pair, bias, 40 + 8 * i, k, 6, 3, 2, act))
+                        cases.append(Case(fmt, dtype, order, bias, 40 + 8 * i, k, 6, 3, 2, act))
     block = 16
-    cases += [
-        Case("nvfp4", BF16, False, False, 1, block, 2, 1, 1),  # smallest N and K
-        Case("mxfp4", BF16, True, True, 1, 32, 2, 1, 1),  # smallest MXFP4 K
-        Case("nvfp4", BF16, True, True, 37, 48, 4, 2, 2),  # K % 32 = 16 (padded), odd N
-        Case("nvfp4", np.dtype(np.float16), False, True, 5, 1040, 4, 2, 2),  # 33 chunks
-        Case("mxfp4", BF16, False, False, 64, 64, 8, 8, 8),  # 64 rows: the window, 8 per expert
-        Case("nvfp4", BF16, False, False, 128, 256, 3, 2, 1),  # 2 tokens on 3 experts
-        Case("nvfp4", BF16, False, True, 512, 2048, 8, 4, 8, "swiglu"),  # Qwen, E=8
-        Case("mxfp4", BF16, False, True, 2880, 2880, 8, 1, 4, "swiglu_oai"),  # gpt-oss
-        Case("mxfp4", np.dtype(np.float16), True, True, 2880, 2880, 8, 2, 4, "swiglu_oai"),
-        Case("nvfp4", BF16, False, False, 2048, 7168, 8, 1, 8),  # DeepSeek FC1 (N = I)
-        Case("nvfp4", BF16, False, True, 2048, 512, 8, 4, 8),  # Qwen FC2 shape (N = H)
-        Case("nvfp4", np.dtype(np.float16), False, False, 7168, 2048, 8, 2, 8),  # DeepSeek FC2
+    edge = [
+        Case("nvfp4", BF16, "plain", False, 1, block, 2, 1, 1),  # smallest N and K
+        Case("mxfp4", BF16, "pair", True, 1, 32, 2, 1, 1),  # smallest MXFP4 K
+        Case("nvfp4", BF16, "pair", True, 37, 48, 4, 2, 2),  # K % 32 = 16 (padded), odd N
+        Case("nvfp4", np.dtype(np.float16), "plain", True, 5, 1040, 4, 2, 2),  # 33 chunks
+        Case("mxfp4", BF16, "plain", False, 64, 64, 8, 8, 8),  # 64 rows: the window, 8 per expert
+        Case("nvfp4", BF16, "plain", False, 128, 256, 3, 2, 1),  # 2 tokens on 3 experts
+        Case("nvfp4", BF16, "plain", True, 512, 2048, 8, 4, 8, "swiglu"),  # Qwen, E=8
+        Case("mxfp4", BF16, "plain", True, 2880, 2880, 8, 1, 4, "swiglu_oai"),  # gpt-oss
+        Case("mxfp4", np.dtype(np.float16), "pair", True, 2880, 2880, 8, 2, 4, "swiglu_oai"),
+        Case("nvfp4", BF16, "plain", False, 2048, 7168, 8, 1, 8),  # DeepSeek FC1 (N = I)
+        Case("nvfp4", BF16, "plain", True, 2048, 512, 8, 4, 8),  # Qwen FC2 shape (N = H)
+        Case("nvfp4", np.dtype(np.float16), "plain", False, 7168, 2048, 8, 2, 8),  # DeepSeek FC2
     ]
+    # ... and each again in the split layout (the default), whose tiles pad N to 8 / 16 rows
+    cases += edge + [dataclasses.replace(c, order="split") for c in edge]
     return cases
 
 
@@ -408,13 +472,20 @@ def _setup(case: Case, rng: np.random.Generator, *, n_mats: int, k: int, n: int)
     return mats, routing, biases
 
 
+def _layout_kwargs(order: str) -> dict[str, object]:
+    """prepare_fc1 / prepare_fc2 arguments of a test order."""
+    if order == "split":
+        return {"gemv_order": "split"}
+    return {"pair_interleaved": order == "pair", "gemv_order": "native"}
+
+
 def _run_fc1(case: Case, rng: np.random.Generator, x_scale: float = 1.0):  # type: ignore[no-untyped-def]
     import cupy
 
     (gate, up), routing, (bg, bu) = _setup(case, rng, n_mats=2, k=case.k, n=case.n)
     act = ActivationSpec(case.act, alpha=1.702, limit=7.0)
     x = (rng.standard_normal((case.n_tokens, case.k)) * x_scale).astype(case.dtype)
-    prepared = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, pair_interleaved=case.pair)
+    prepared = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, **_layout_kwargs(case.order))
     rows = case.n_tokens * case.top_k
     out = cupy.full((rows, case.n), np.nan, dtype=case.dtype)
     got = gemv.fc1(cupy.asarray(x), prepared, routing, act=act, out=out)
@@ -442,7 +513,7 @@ def test_fc2_matches_reference(case: Case, rng: np.random.Generator) -> None:
     (down,), routing, (bias,) = _setup(case, rng, n_mats=1, k=case.k, n=case.n)
     rows = case.n_tokens * case.top_k
     h = rng.standard_normal((rows, case.k)).astype(case.dtype)
-    prepared = gemv.prepare_fc2(down, bias=bias, pair_interleaved=case.pair)
+    prepared = gemv.prepare_fc2(down, bias=bias, **_layout_kwargs(case.order))
     out = cupy.full((rows, case.n), np.nan, dtype=case.dtype)
     gemv.fc2(cupy.asarray(h), prepared, routing, out=out)
     ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get(), bias=bias)
@@ -455,11 +526,13 @@ def test_fc2_matches_reference(case: Case, rng: np.random.Generator) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)
-def test_pair_interleaved_is_bitwise_plain(fmt: str, dtype: np.dtype) -> None:
-    case = Case(fmt, dtype, False, True, 96, 256, 4, 3, 2, "geglu")
-    ref_plain, plain, _ = _run_fc1(case, np.random.default_rng(5))
-    _, pair, _ = _run_fc1(dataclasses.replace(case, pair=True), np.random.default_rng(5))
-    assert plain.tobytes() == pair.tobytes()
+def test_weight_orders_are_bitwise_equal(fmt: str, dtype: np.dtype) -> None:
+    """Plain, pair-interleaved and split decode to the same values: same bits out."""
+    case = Case(fmt, dtype, "plain", True, 96, 256, 4, 3, 2, "geglu")
+    _, plain, _ = _run_fc1(case, np.random.default_rng(5))
+    for order in ("pair", "split"):
+        _, other, _ = _run_fc1(dataclasses.replace(case, order=order), np.random.default_rng(5))
+        assert plain.tobytes() == other.tobytes(), order
 
 
 @pytest.mark.gpu
@@ -484,16 +557,17 @@ def test_fp16_large_activations_do_not_overflow(fmt: str, rng: np.random.Generat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", [False, True], ids=["plain", "pair"])
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("span", ["shifted", "too-wide"])
-def test_mxfp4_fp16_scale_range(span: str, pair: bool, rng: np.random.Generator) -> None:
+def test_mxfp4_fp16_scale_range(span: str, order: str, rng: np.random.Generator) -> None:
     """fp16 activations fold MXFP4 scales exactly only inside a window of exponents: scales near
     2^-32 need the kernel's scale shift; a range wider than the window takes the batched path.
     Both must match the reference (and the shift must really be used / the path really taken)."""
     import cupy
 
     fp16 = np.dtype(np.float16)
-    case = Case("mxfp4", fp16, pair, False, 48, 256, 4, 3, 2)
+    pair = order != "plain"
+    case = Case("mxfp4", fp16, order, False, 48, 256, 4, 3, 2)
     (down,), routing, _ = _setup(case, rng, n_mats=1, k=case.k, n=case.n)
     scales = down.scales.astype(np.int64)
     if span == "shifted":  # exponents ~ 2^-32: below the fp16 window, the shift moves them in
@@ -506,7 +580,7 @@ def test_mxfp4_fp16_scale_range(span: str, pair: bool, rng: np.random.Generator)
     else:  # one block at 2^-67 next to ordinary ones: no shift folds both exactly in fp16
         scales[0, 0, 0] = 60
         down = dataclasses.replace(down, scales=scales.astype(np.uint8))
-    prepared = gemv.prepare_fc2(down, pair_interleaved=pair)
+    prepared = gemv.prepare_fc2(down, **_layout_kwargs(order))
     shift = gemv.mx_scale_shift(prepared.scale_range, fp16, pair)
     if span == "shifted":
         assert shift is not None and shift > 0
@@ -525,7 +599,7 @@ def test_mxfp4_fp16_scale_range(span: str, pair: bool, rng: np.random.Generator)
 def test_fc1_deterministic_and_config_override(rng: np.random.Generator) -> None:
     from cupymoe.config import TILINGS, GemvConfig
 
-    case = Case("nvfp4", BF16, False, True, 96, 1024, 4, 4, 2)
+    case = Case("nvfp4", BF16, "split", True, 96, 1024, 4, 4, 2)
     ref, out, (x, prepared, routing, act) = _run_fc1(case, rng)
     import cupy
 
@@ -543,7 +617,7 @@ def test_above_window_uses_batched_path(
     n_tokens: int, top_k: int, rng: np.random.Generator
 ) -> None:
     pytest.importorskip("cupymoe.batched")
-    case = Case("nvfp4", BF16, False, True, 64, 128, 8, n_tokens, top_k)
+    case = Case("nvfp4", BF16, "split", True, 64, 128, 8, n_tokens, top_k)
     ref, out, _ = _run_fc1(case, rng)
     assert_close(ref, out, max_rel=1.6e-2, rms_rel=8e-3, name="fc1 65 rows")
 
@@ -552,7 +626,7 @@ def test_above_window_uses_batched_path(
 def test_gpu_input_errors(rng: np.random.Generator) -> None:
     import cupy
 
-    case = Case("nvfp4", BF16, False, False, 32, 64, 4, 2, 2)
+    case = Case("nvfp4", BF16, "plain", False, 32, 64, 4, 2, 2)
     _, _, (x, prepared, routing, act) = _run_fc1(case, rng)
     xg = cupy.asarray(x)
     with pytest.raises(TypeError, match="x: expected dtype"):

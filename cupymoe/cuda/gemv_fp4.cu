@@ -26,9 +26,10 @@
 //
 // Numerics, exact up to the fp32 accumulation:
 //  * decode: plain nibble order -> byte-permute (prmt) lookups, four codes per prmt (the bf16 and
-//    fp16 bit patterns of the 8 magnitudes, FORMATS.md); pair-interleaved order -> shift-and-mask
-//    (the code's bits land in the exponent/mantissa fields: code * 2^-14 in fp16, code * 2^-126 in
-//    bf16). Both give the pairs (e0, e1), (e2, e3), ... so the two orders feed identical products.
+//    fp16 bit patterns of the 8 magnitudes, FORMATS.md); pair-interleaved order and the split
+//    order of the GEMV's own layout (gemv.gemv_layout) -> shift-and-mask (the code's bits land in
+//    the exponent/mantissa fields: code * 2^-14 in fp16, code * 2^-126 in bf16). All give the
+//    pairs (e0, e1), (e2, e3), ... so the three orders feed identical products.
 //  * block scale: one 16-bit multiply per pair, code * scale * 2^s, with the 16-bit value of every
 //    scale byte in a 256-entry shared table. code * scale has at most 6 significant bits; the power
 //    2^s (a kernel argument for MXFP4, chosen on the host from the tensor's scale range) keeps every
@@ -43,7 +44,10 @@ constexpr int kChunk = 32;  // codes per 16-byte weight load
 // 4 blocks of 4 warps per SM (<= 128 registers): 16 warps x 2-4 KB of weights in flight per
 // iteration covers the ~32 KB per SM that 4.5 TB/s needs at ~1 us of latency. Without a floor
 // ptxas trades registers for spills (56 registers + spills) or for occupancy (168 registers).
+// Tiles of 16 and 32 rows fit in 80 registers without spills: 6 blocks per SM (kernels below),
+// so that 720 blocks (gpt-oss FC1 at M = 1) run in one wave: 18.3 -> 14.7 us on the H200.
 constexpr int kMinBlocks = 4;
+constexpr int kMinBlocksNarrow = 6;
 
 // 16-byte streaming load (weights are read once per call: keep L1 for the activations).
 __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
@@ -60,14 +64,18 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     return d;
 }
 
+// Nibble orders (kOrder): plain and SM80 pair-interleaved words in row-major [E, N, chunks * 16]
+// (the DeviceFp4 bytes themselves), or the split order of this GEMV's own tiled layout.
+constexpr int kPlain = 0, kPair = 1, kSplit = 2;
+
 // ---- decoders: one 32-bit word (8 codes) -> h[4] = 16-bit pairs (e0,e1) (e2,e3) (e4,e5) (e6,e7),
 // element 2i in the low half. kExp: the decoded value is code * 2^kExp.
-template <typename T, bool kPairInterleaved> struct Decoder;
+template <typename T, int kOrder> struct Decoder;
 
 // Plain order (element i in nibble i). mag keeps 3 bits per nibble (bit 3 clear: prmt stays in
 // byte-select mode), sgn is 0/1 per nibble; one prmt looks up four magnitude bytes, one more the
 // four sign bytes.
-template <> struct Decoder<__half, false> {
+template <> struct Decoder<__half, kPlain> {
     static constexpr int kExp = 0;
     __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
         const uint32_t mag = w & 0x77777777u;
@@ -82,7 +90,7 @@ template <> struct Decoder<__half, false> {
         }
     }
 };
-template <> struct Decoder<__nv_bfloat16, false> {
+template <> struct Decoder<__nv_bfloat16, kPlain> {
     static constexpr int kExp = 0;
     __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
         const uint32_t mag = w & 0x77777777u;
@@ -104,7 +112,7 @@ template <> struct Decoder<__nv_bfloat16, false> {
 // exponent's low bits and the top mantissa bit. E2M1's subnormal 0.5 lands on a 16-bit subnormal.
 // Left shifts are written as multiplications: ptxas may then issue them as IMAD on the FMA pipe,
 // which is otherwise idle here, instead of the ALU pipe that the masks and LOP3s already load.
-template <> struct Decoder<__half, true> {
+template <> struct Decoder<__half, kPair> {
     static constexpr int kExp = -14;  // fp16 bias 15 vs E2M1 bias 1
     __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
         constexpr uint32_t kKeep = 0x8E008E00u;  // bits 15, 9-11 of each half
@@ -116,7 +124,7 @@ template <> struct Decoder<__half, true> {
         h[3] = ((odd >> 3) | odd) & kKeep;
     }
 };
-template <> struct Decoder<__nv_bfloat16, true> {
+template <> struct Decoder<__nv_bfloat16, kPair> {
     static constexpr int kExp = -126;  // bf16 bias 127 vs E2M1 bias 1
     __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
         constexpr uint32_t kKeep = 0x81C081C0u;  // bits 15, 6-8 of each half
@@ -131,6 +139,36 @@ template <> struct Decoder<__nv_bfloat16, true> {
         h[1] = (s1 * (4u + 256u)) & kKeep;           // << 2 | << 8
         h[2] = ((s2 >> 2) | (s2 * 16u)) & kKeep;     // >> 2, << 4
         h[3] = ((s3 >> 6) | s3) & kKeep;
+    }
+};
+
+// Split order (built by gemv.split_words for this kernel): the bits of element 2p (low half) and
+// 2p + 1 (high half) sit where the pair decode wants them with the fewest moves. Per 16-bit half,
+// magnitude bits (low first) and sign:
+//   pair 0: 6-8, 15    pair 1: 3-5, 12    pair 2: 0-2, 14    pair 3: 9-11, 13
+// bf16 (magnitude to 6-8, sign to 15): pair 0 in place; pair 1 one shift (+3 both); pair 2 one
+// multiply of disjoint copies (+6 and +1); pair 3 two pieces: 10 instructions per word, against
+// 13 for the pair-interleaved order (the floor of an exhaustive search over bit layouts).
+// fp16 (magnitude to 9-11): 12 instructions.
+template <> struct Decoder<__half, kSplit> {
+    static constexpr int kExp = -14;
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        constexpr uint32_t kKeep = 0x8E008E00u, kMag = 0x0E000E00u, kSign = 0x80008000u;
+        const uint32_t w8 = w * 8u;
+        h[0] = (w8 & kMag) | (w & kSign);                 // +3, sign in place
+        h[1] = ((w * 64u) & kMag) | (w8 & kSign);         // +6, +3
+        h[2] = ((w & 0x40074007u) * (512u + 2u)) & kKeep;  // +9, +1 (disjoint copies)
+        h[3] = (w & kMag) | ((w * 4u) & kSign);           // in place, +2
+    }
+};
+template <> struct Decoder<__nv_bfloat16, kSplit> {
+    static constexpr int kExp = -126;
+    __device__ __forceinline__ static void run(uint32_t w, uint32_t (&h)[4]) {
+        constexpr uint32_t kKeep = 0x81C081C0u, kMag = 0x01C001C0u, kSign = 0x80008000u;
+        h[0] = w & kKeep;                                 // in place
+        h[1] = (w * 8u) & kKeep;                          // +3
+        h[2] = ((w & 0x40074007u) * (64u + 2u)) & kKeep;  // +6, +1 (disjoint copies)
+        h[3] = ((w >> 3) & kMag) | ((w * 4u) & kSign);    // -3, +2
     }
 };
 
@@ -204,8 +242,9 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
 // One lane's part of the K loop: its pointers at the current iteration and its accumulators.
 // Step u of an iteration reads the chunk u * kStep past the lane's pointers; every load of the
 // iteration is issued before the first decode.
-template <int kFormat, typename T, bool kPairInterleaved, int kTiles, int kWarps> struct KLoop {
-    using Dec = Decoder<T, kPairInterleaved>;
+template <int kFormat, typename T, int kOrder, int kTiles, int kWarps, int kChunkStride>
+struct KLoop {
+    using Dec = Decoder<T, kOrder>;
     static constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
     static constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g, g + 8: 4 (NVFP4), 2 (MXFP4)
     static constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
@@ -235,8 +274,7 @@ template <int kFormat, typename T, bool kPairInterleaved, int kTiles, int kWarps
             for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    wv[u][m][h] = live ? load_weights(wbase[h] + woff[m][h] +
-                                                      u * kStep * (kChunk / 2))
+                    wv[u][m][h] = live ? load_weights(wbase[h] + woff[m][h] + u * kStep * kChunkStride)
                                        : make_uint4(0u, 0u, 0u, 0u);
                 const uint8_t* s = sbase + soff[m] + u * kStep * 8 * kScaleBytes;
                 if constexpr (kScaleBytes == 4) {
@@ -284,8 +322,8 @@ template <int kFormat, typename T, bool kPairInterleaved, int kTiles, int kWarps
             }
         }
         // Next iteration.
-        wbase[0] += kUnroll * kStep * (kChunk / 2);
-        wbase[1] += kUnroll * kStep * (kChunk / 2);
+        wbase[0] += kUnroll * kStep * kChunkStride;
+        wbase[1] += kUnroll * kStep * kChunkStride;
         sbase += kUnroll * kStep * 8 * kScaleBytes;
         xp += kUnroll * kStep * kChunk;
     }
@@ -310,14 +348,19 @@ struct Params {
 };
 
 // kAct 0 = FC2 (m-tile = 16 output columns); 1..3 = FC1 (m-tile = 8 columns x gate, up).
-template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, int kAct,
+template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, int kAct,
           bool kBias>
 __device__ __forceinline__ void gemv_body(const Params& p) {
-    using Dec = Decoder<T, kPairInterleaved>;
+    using Dec = Decoder<T, kOrder>;
     constexpr int kWarps = kThreads / 32;
     constexpr int kTiles = kCtaN / 16;
     constexpr bool kGated = kAct != 0;
-    constexpr int kScaleBytes = KLoop<kFormat, T, kPairInterleaved, kTiles, kWarps>::kScaleBytes;
+    // Split order: tiles of kColsPerTile rows (FC1: 8 columns of gate, and of up, in their own
+    // arrays; FC2: 16 rows), chunk-major inside a tile, [E, tiles, chunks, rows, 16 bytes]: the
+    // 16 rows of a chunk are 256 contiguous bytes and a tile's K range one contiguous stream.
+    constexpr int kChunkStride = kOrder == kSplit ? (kGated ? 8 : 16) * (kChunk / 2) : kChunk / 2;
+    using Loop = KLoop<kFormat, T, kOrder, kTiles, kWarps, kChunkStride>;
+    constexpr int kScaleBytes = Loop::kScaleBytes;
     constexpr int kColsPerTile = kGated ? 8 : 16;
     static_assert(kWarps >= 2 && kThreads % 32 == 0 && kCtaN % 16 == 0 && kTiles * 32 <= kThreads,
                   "kThreads: 2+ warps; kCtaN: a multiple of 16, at most 16 * kThreads / 32");
@@ -345,10 +388,12 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     const int tiles = (p.n + kColsPerTile - 1) / kColsPerTile;
 
     // Weight rows g and g + 8 of each m-tile (FC1: gate and up of column 8 * tile + g). Rows past n
-    // are clamped to n - 1 (valid memory; their sums are never stored).
-    // (32-bit row and tile indices, not 64-bit pointers: fewer registers for the wide tilings.)
-    const uint8_t* const wbase0 = p.w0 + (size_t)e * p.n * row_bytes;
-    const uint8_t* const wbase1 = (kGated ? p.w1 : p.w0) + (size_t)e * p.n * row_bytes;
+    // are clamped to n - 1 in the row-major orders (valid memory) and zero rows of the last tile in
+    // the split layout; their sums are never stored.
+    const size_t expert_bytes =
+        kOrder == kSplit ? (size_t)tiles * kColsPerTile * row_bytes : (size_t)p.n * row_bytes;
+    const uint8_t* const wbase0 = p.w0 + (size_t)e * expert_bytes;
+    const uint8_t* const wbase1 = (kGated ? p.w1 : p.w0) + (size_t)e * expert_bytes;
     const uint8_t* const sbase = p.scales + (size_t)e * tiles * p.chunks * 8 * kScaleBytes;
     int wrow[kTiles][2], stile[kTiles];
 #pragma unroll
@@ -361,7 +406,6 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     // Step u of iteration i reads chunk (i * kUnroll + u) * kStep + warp * 4 + t. Iterations whose
     // chunks all lie inside K (every lane of the warp) run without bounds checks; the last one or
     // two run checked.
-    using Loop = KLoop<kFormat, T, kPairInterleaved, kTiles, kWarps>;
     constexpr int kAdvance = Loop::kUnroll * Loop::kStep;  // chunks per iteration
     const int lane_chunk = warp * 4 + t;
     const int full_chunks = p.k / kChunk;  // chunks entirely inside K
@@ -382,7 +426,11 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
         for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h)
-                loop.woff[m][h] = wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
+                loop.woff[m][h] =
+                    kOrder == kSplit
+                        ? ((stile[m] * p.chunks + lane_chunk) * kColsPerTile + g + (kGated ? 0 : 8 * h)) *
+                              (kChunk / 2)
+                        : wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
             loop.soff[m] = ((stile[m] * p.chunks + lane_chunk) * 8 + g) * kScaleBytes;
 #pragma unroll
             for (int i = 0; i < 4; ++i) loop.acc[m][i] = 0.0f;
@@ -464,8 +512,8 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
 
 // FC2: grid = (ceil(ceil(n / 16) / (kCtaN / 16)), expert slots), block = kThreads; a block owns
 // kCtaN output columns (rows of W) of the expert in its slot.
-template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, bool kBias>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, bool kBias>
+__global__ void __launch_bounds__(kThreads, kCtaN <= 32 ? kMinBlocksNarrow : kMinBlocks)
     gemv_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
              const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
              const float* __restrict__ bias, const int* __restrict__ expert_offsets,
@@ -474,14 +522,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const Params p{x,       nullptr,        w,      nullptr, scales,    global_scale, nullptr,
                    bias,    nullptr,        expert_offsets, active, out, n_experts,   n,
                    k,       chunks,         1,      scale_shift, 0.0f,  0.0f};
-    gemv_body<kFormat, T, kPairInterleaved, kCtaN, kThreads, 0, kBias>(p);
+    gemv_body<kFormat, T, kOrder, kCtaN, kThreads, 0, kBias>(p);
 }
 
 // FC1: grid = (ceil(ceil(n / 8) / (kCtaN / 16)), expert slots); a block owns kCtaN weight rows =
 // kCtaN / 2 output columns (gate and up rows of each). x is read in token order through row_source.
-template <int kFormat, typename T, bool kPairInterleaved, int kCtaN, int kThreads, int kAct,
+template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, int kAct,
           bool kBias>
-__global__ void __launch_bounds__(kThreads, kMinBlocks)
+__global__ void __launch_bounds__(kThreads, kCtaN <= 32 ? kMinBlocksNarrow : kMinBlocks)
     gemv_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
              const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
              const uint8_t* __restrict__ scales, const float* __restrict__ gate_global,
@@ -493,5 +541,5 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     const Params p{x,         row_source,     gate,   up,  scales,    gate_global, up_global,
                    gate_bias, up_bias,        expert_offsets, active, out, n_experts, n, k,
                    chunks,    top_k,          scale_shift,    alpha,  limit};
-    gemv_body<kFormat, T, kPairInterleaved, kCtaN, kThreads, kAct, kBias>(p);
+    gemv_body<kFormat, T, kOrder, kCtaN, kThreads, kAct, kBias>(p);
 }
