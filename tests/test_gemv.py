@@ -29,7 +29,7 @@ def test_activation_parse() -> None:
     with pytest.raises(ValueError, match="limit"):
         ActivationSpec("swiglu_oai", limit=0.0)
     with pytest.raises(TypeError, match="alpha"):
-        ActivationSpec("swiglu", alpha="1")  # type: ignore[arg-type]
+        ActivationSpec("swiglu", alpha="1")
 
 
 def test_activation_known_points() -> None:
@@ -387,6 +387,30 @@ def test_expert_bytes_limit() -> None:
         gemv.check_expert_bytes(200000, 50000, "w")  # 5.0e9 bytes
 
 
+def test_weight_order_dispatch(rng: np.random.Generator) -> None:
+    """prepare's choice of kernel bytes and kOrder: the split copy (8 / 16-row tiles) or the
+    native bytes (padded to whole chunks) in their own order; every order has its kernels."""
+    from types import SimpleNamespace
+
+    from cupymoe.presets import random_fp4_experts
+
+    w = random_fp4_experts(rng, 2, 24, 48, "nvfp4")
+    for pair in (False, True):
+        packed = to_pair_interleaved(w.packed) if pair else w.packed
+        dev = SimpleNamespace(packed=packed, k=48, pair_interleaved=pair)
+        for rows in (8, 16):
+            got, order = gemv._kernel_weights(dev, "split", rows)
+            assert order == 2
+            assert got.tobytes() == gemv.gemv_layout(packed, 48, pair, rows).tobytes()
+        got, order = gemv._kernel_weights(dev, "native", 16)
+        assert order == (1 if pair else 0)
+        assert got.tobytes() == gemv.pad_packed(packed, 48).tobytes()
+    assert gemv._gemv_order(None) == gemv.DEFAULT_GEMV_ORDER == "split"
+    orders = {spec.args[2] for spec in gemv.kernel_specs()}
+    assert orders == {0, 1, 2}
+    assert len(gemv.kernel_specs()) == 2 * 2 * 3 * len(gemv.TILINGS) * 2 * 4
+
+
 def test_tile_scales_layout() -> None:
     # FC2: [E=1, N=16, 2 blocks] -> tile 0, chunk 0, lane row g: bytes (row g, row g + 8)
     s = np.arange(32, dtype=np.uint8).reshape(1, 16, 2)
@@ -638,6 +662,6 @@ def test_gpu_input_errors(rng: np.random.Generator) -> None:
     with pytest.raises(ValueError, match="out"):
         gemv.fc1(xg, prepared, routing, act=act, out=cupy.empty((4, 31), dtype=xg.dtype))
     with pytest.raises(TypeError, match="act"):
-        gemv.fc1(xg, prepared, routing, act="swiglu")  # type: ignore[arg-type]
+        gemv.fc1(xg, prepared, routing, act="swiglu")
     with pytest.raises(TypeError, match="config"):
-        gemv.fc1(xg, prepared, routing, act=act, config=(16, 128))  # type: ignore[arg-type]
+        gemv.fc1(xg, prepared, routing, act=act, config=(16, 128))
