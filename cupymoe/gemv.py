@@ -30,7 +30,7 @@ from ._compile import KernelSpec
 from ._launch import launch
 from .config import CHUNK, ROW_WINDOW, TILINGS, GemvConfig
 from .dequant import DeviceFp4
-from .formats import Fp4Experts, Fp4Format, parse_enum
+from .formats import _PAIR_SLOT, Fp4Experts, Fp4Format, parse_enum
 from .routing import check_device_routing
 
 # fmt: off
@@ -55,8 +55,9 @@ DEFAULT_PAIR_INTERLEAVED = True
 #: which decodes in 10 instructions per 8 codes for bf16 (13 pair-interleaved); it costs a second
 #: copy of the weights on the GPU. ``"native"`` -- the :class:`DeviceFp4` bytes themselves (plain
 #: or pair-interleaved, row-major; no copy when K is a multiple of 32).
-#: Measured on the H200 (bf16, graph replay, µs per call, native pair -> split): DeepSeek-V3 FC1
-#: at M = 1 / 4 42.8 -> 38.8 / 152.5 -> 135.9, FC2 25.1 -> 24.1 / 77.9 -> 74.0.
+#: Measured on the H200 (bf16, graph replay, µs per call, native pair -> split, one run of the
+#: final kernels): DeepSeek-V3 FC1 at M = 1 / 4 42.8 -> 38.8 / 152.9 -> 135.8, FC2 25.6 -> 24.3 /
+#: 78.1 -> 73.7; gpt-oss-20b FC1 at M = 1 16.0 -> 14.7.
 GEMV_ORDERS = ("split", "native")
 DEFAULT_GEMV_ORDER = "split"
 
@@ -343,7 +344,7 @@ def split_words(words: Any, pair_interleaved: bool) -> Any:
         raise TypeError(f"words: expected uint32, got {words.dtype}")
     out = xp.zeros_like(words)
     for i in range(8):
-        slot = (i >> 1) + ((i & 1) << 2) if pair_interleaved else i
+        slot = int(_PAIR_SLOT[i]) if pair_interleaved else i
         code = (words >> np.uint32(4 * slot)) & np.uint32(0xF)
         pair, half = divmod(i, 2)
         out |= (code & np.uint32(7)) << np.uint32(16 * half + _SPLIT_MAG[pair])

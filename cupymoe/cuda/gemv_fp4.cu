@@ -355,13 +355,13 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     constexpr int kWarps = kThreads / 32;
     constexpr int kTiles = kCtaN / 16;
     constexpr bool kGated = kAct != 0;
+    constexpr int kColsPerTile = kGated ? 8 : 16;
     // Split order: tiles of kColsPerTile rows (FC1: 8 columns of gate, and of up, in their own
     // arrays; FC2: 16 rows), chunk-major inside a tile, [E, tiles, chunks, rows, 16 bytes]: the
     // 16 rows of a chunk are 256 contiguous bytes and a tile's K range one contiguous stream.
-    constexpr int kChunkStride = kOrder == kSplit ? (kGated ? 8 : 16) * (kChunk / 2) : kChunk / 2;
+    constexpr int kChunkStride = (kOrder == kSplit ? kColsPerTile : 1) * (kChunk / 2);
     using Loop = KLoop<kFormat, T, kOrder, kTiles, kWarps, kChunkStride>;
     constexpr int kScaleBytes = Loop::kScaleBytes;
-    constexpr int kColsPerTile = kGated ? 8 : 16;
     static_assert(kWarps >= 2 && kThreads % 32 == 0 && kCtaN % 16 == 0 && kTiles * 32 <= kThreads,
                   "kThreads: 2+ warps; kCtaN: a multiple of 16, at most 16 * kThreads / 32");
     // bf16 pair-interleaved decodes code * 2^-126: the table carries 2^116 so A = code*scale*2^-10.
