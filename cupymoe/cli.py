@@ -358,6 +358,13 @@ def bench(
     show_default=True,
     help="comma-separated expanded-row counts",
 )
+@click.option(
+    "--layout",
+    type=click.Choice(["split", "pair", "plain"]),
+    default="split",
+    show_default=True,
+    help="weight layout the GEMV reads: its split copy (gemv_order='split'), or the native bytes",
+)
 @click.option("--repeats", type=click.IntRange(min=3), default=20, show_default=True)
 def tune(
     preset: str | None,
@@ -365,6 +372,7 @@ def tune(
     fmt: str | None,
     dtype: str,
     rows: str,
+    layout: str,
     repeats: int,
 ) -> None:
     """Profile the GEMV tilings for the given shapes; store the winners in the tuning cache."""
@@ -402,6 +410,7 @@ def tune(
                 dtype=_DTYPES[dtype],
                 rows_list=rows_list,
                 op=op,
+                layout=layout,
                 repeats=repeats,
                 progress=progress,
             )

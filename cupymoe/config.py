@@ -21,7 +21,14 @@ from typing import Any
 
 from .formats import Fp4Format
 
-__all__ = ["BLOCKS_FOR_CTA_N", "ENV_GEMV_CONFIG", "ROW_WINDOW", "TILINGS", "GemvConfig"]
+__all__ = [
+    "BLOCKS_FOR_CTA_N",
+    "ENV_GEMV_CONFIG",
+    "ROW_WINDOW",
+    "TILINGS",
+    "WEIGHT_LAYOUTS",
+    "GemvConfig",
+]
 
 #: Environment variable forcing one tiling for every GEMV call, e.g. ``"cta_n=32,threads=128"``.
 ENV_GEMV_CONFIG = "CUPYMOE_GEMV_CONFIG"
@@ -31,6 +38,11 @@ ROW_WINDOW = 64
 
 #: Codes per lane per load (16 bytes): fixed by the kernel.
 CHUNK = 32
+
+#: The weight layouts a GEMV kernel reads, by its ``kOrder`` template argument: row-major words in
+#: the plain or the pair-interleaved nibble order (``gemv_order="native"``), or the GEMV's own
+#: tiled split-order copy (``gemv_order="split"``). Tilings are tuned per layout.
+WEIGHT_LAYOUTS: tuple[str, ...] = ("plain", "pair", "split")
 
 #: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them).
 #: 4 warps, at most 128 registers per thread (``__launch_bounds__(128, 4)``): 16 warps per SM.
@@ -113,6 +125,7 @@ class GemvConfig:
         dtype: Any = None,
         gated: bool = False,
         n_experts: int | None = None,
+        layout: str = "split",
     ) -> GemvConfig:
         """The config for one GEMV call: environment > tune cache > analytic table.
 
@@ -129,6 +142,8 @@ class GemvConfig:
             Activation dtype (the tune-cache key); ``None`` skips the cache.
         gated, n_experts : optional
             FC1 (gate + up rows) and the expert count, for the analytic table.
+        layout : str
+            The weight layout the kernel reads (:data:`WEIGHT_LAYOUTS`; the tune-cache key).
         """
         env = os.environ.get(ENV_GEMV_CONFIG, "").strip()
         if env:
@@ -138,7 +153,14 @@ class GemvConfig:
 
             op = "fc1" if gated else "fc2"
             tuned = lookup_tuned(
-                device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op
+                device_name=device_name,
+                fmt=fmt,
+                dtype=dtype,
+                n=n,
+                k=k,
+                rows=rows,
+                op=op,
+                layout=layout,
             )
             if tuned is not None:
                 return tuned

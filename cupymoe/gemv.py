@@ -28,7 +28,7 @@ import numpy as np
 from ._backend import device_output, is_cupy_array, require_cupy, to_numpy
 from ._compile import KernelSpec
 from ._launch import launch
-from .config import CHUNK, ROW_WINDOW, TILINGS, GemvConfig
+from .config import CHUNK, ROW_WINDOW, TILINGS, WEIGHT_LAYOUTS, GemvConfig
 from .dequant import DeviceFp4
 from .formats import _PAIR_SLOT, Fp4Experts, Fp4Format, parse_enum
 from .routing import check_device_routing
@@ -61,7 +61,7 @@ DEFAULT_PAIR_INTERLEAVED = True
 GEMV_ORDERS = ("split", "native")
 DEFAULT_GEMV_ORDER = "split"
 
-#: Template argument kOrder of the GEMV kernels.
+#: Template argument kOrder of the GEMV kernels (their names: config.WEIGHT_LAYOUTS).
 _ORDER_PLAIN, _ORDER_PAIR, _ORDER_SPLIT = 0, 1, 2
 
 #: Split order: for pair p (elements 2p in the low and 2p + 1 in the high 16 bits of a word), the
@@ -568,7 +568,13 @@ def _check_activations(a: Any, name: str, rows: int, width: int) -> np.dtype:
 
 
 def _config(
-    config: GemvConfig | None, w: DeviceFp4, rows: int, dtype: np.dtype, *, gated: bool
+    config: GemvConfig | None,
+    w: DeviceFp4,
+    rows: int,
+    dtype: np.dtype,
+    *,
+    gated: bool,
+    kernel_order: int,
 ) -> GemvConfig:
     if config is None:
         name = _device_name(require_cupy().cuda.Device().id)
@@ -581,6 +587,7 @@ def _config(
             dtype=dtype,
             gated=gated,
             n_experts=w.n_experts,
+            layout=WEIGHT_LAYOUTS[kernel_order],
         )
     if not isinstance(config, GemvConfig):
         raise TypeError(f"config: expected a GemvConfig, got {type(config).__name__}")
@@ -661,7 +668,7 @@ def fc1(
     out = device_output(out, (rows, g.n), dtype)
     if rows == 0 or g.n == 0:
         return out
-    cfg = _config(config, g, rows, dtype, gated=True)
+    cfg = _config(config, g, rows, dtype, gated=True, kernel_order=weights.kernel_order)
     has_bias = weights.gate_bias is not None
     spec = KernelSpec(
         "gemv_fp4",
@@ -754,7 +761,7 @@ def fc2(
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
-    cfg = _config(config, w, rows, dtype, gated=False)
+    cfg = _config(config, w, rows, dtype, gated=False, kernel_order=weights.kernel_order)
     spec = KernelSpec(
         "gemv_fp4",
         "gemv_fc2",

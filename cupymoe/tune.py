@@ -2,7 +2,8 @@
 """Optional GEMV autotuning: profile every tiling, keep the fastest in a JSON cache.
 
 The cache (:func:`cache_path`, ``$XDG_CACHE_HOME/cupymoe/gemv_tune.json``) maps
-``device | op | format | dtype | N | K | row bucket`` (op: ``fc1`` or ``fc2``) to the winning
+``device | op | layout | format | dtype | N | K | row bucket`` (op: ``fc1`` or ``fc2``; layout:
+the weight layout the kernel reads, :data:`~cupymoe.config.WEIGHT_LAYOUTS`) to the winning
 :class:`~cupymoe.config.GemvConfig` fields and its time. ``GemvConfig.for_problem`` consults
 it through :func:`lookup_tuned` after the ``CUPYMOE_GEMV_CONFIG`` override and before the
 analytic table, so tuning is never required. A missing, unreadable or outdated file is ignored
@@ -10,13 +11,13 @@ analytic table, so tuning is never required. A missing, unreadable or outdated f
 
 File layout (``version`` changes whenever the meaning of an entry changes)::
 
-    {"version": 2,
-     "entries": {"NVIDIA H200|fc1|nvfp4|bfloat16|512|2048|8": {"config": {"cta_n": 64,
-                                                                         "threads": 128},
-                                                              "us": 16.7, "op": "fc1"}}}
+    {"version": 3,
+     "entries": {"NVIDIA H200|fc1|split|nvfp4|bfloat16|512|2048|8":
+                     {"config": {"cta_n": 64, "threads": 128}, "us": 16.7, "op": "fc1"}}}
 
 Version 2: the tensor-core kernels (tilings of 16-row m-tiles) and the op in the key (FC1 and FC2
-of one shape, gpt-oss's 2880 x 2880, are different problems).
+of one shape, gpt-oss's 2880 x 2880, are different problems). Version 3: the weight layout in
+the key (the split copy and the native bytes are different kernels).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import numpy as np
 
 from ._backend import require_cupy
 from ._timing import capture, median_event_us
+from .config import WEIGHT_LAYOUTS
 from .formats import Fp4Experts, Fp4Format
 
-if TYPE_CHECKING:  # config.py imports this module: no runtime import back
+if TYPE_CHECKING:  # GemvConfig is imported where it is used: tests swap the config module
     from .config import GemvConfig
 
 __all__ = [
@@ -58,7 +60,7 @@ __all__ = [
 ]
 
 #: Version of the file layout and entry meaning; files of another version are ignored.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 _OPS = ("fc1", "fc2")
 #: Row buckets (expanded rows of one GEMV call, up to the 64-row window).
@@ -99,15 +101,26 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def cache_key(
-    *, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int, op: str = "fc2"
+    *,
+    device_name: str,
+    fmt: Any,
+    dtype: Any,
+    n: int,
+    k: int,
+    rows: int,
+    op: str = "fc2",
+    layout: str = "split",
 ) -> str:
-    """The entry key: ``"<device>|<op>|<format>|<dtype>|<N>|<K>|<row bucket>"``."""
+    """The entry key: ``"<device>|<op>|<layout>|<format>|<dtype>|<N>|<K>|<row bucket>"``."""
     if op not in _OPS:
         raise ValueError(f"op: expected 'fc1' or 'fc2', got {op!r}")
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"layout: expected one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
     return "|".join(
         (
             str(device_name),
             op,
+            layout,
             _format_name(fmt),
             _dtype_name(dtype),
             str(int(n)),
@@ -160,9 +173,19 @@ def _entries(path: str) -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(
-    path: str, device_name: str, fmt: Any, dtype: Any, n: int, k: int, rows: int, op: str
+    path: str,
+    device_name: str,
+    fmt: Any,
+    dtype: Any,
+    n: int,
+    k: int,
+    rows: int,
+    op: str,
+    layout: str,
 ) -> GemvConfig | None:
-    key = cache_key(device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op)
+    key = cache_key(
+        device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op, layout=layout
+    )
     entry = _entries(path).get(key)
     if entry is None:
         return None
@@ -184,6 +207,7 @@ def lookup_tuned(
     k: int,
     rows: int,
     op: str = "fc2",
+    layout: str = "split",
     path: str | os.PathLike[str] | None = None,
 ) -> GemvConfig | None:
     """The tuned config for this problem, or ``None`` when the cache has none.
@@ -201,6 +225,8 @@ def lookup_tuned(
         Expanded rows of the call; mapped with :func:`row_bucket`.
     op : {"fc1", "fc2"}
         Which GEMV (FC1 reads gate and up rows: twice the rows of the same N).
+    layout : str
+        The weight layout the kernel reads (:data:`~cupymoe.config.WEIGHT_LAYOUTS`).
     path : path, optional
         Cache file (default :func:`cache_path`).
 
@@ -209,7 +235,7 @@ def lookup_tuned(
     Memoised per argument tuple: the file is parsed once per process (again after
     :func:`store_results` / :func:`clear_cache`). A missing or corrupt file means "no entry".
     """
-    return _lookup(str(path or cache_path()), device_name, fmt, dtype, n, k, rows, op)
+    return _lookup(str(path or cache_path()), device_name, fmt, dtype, n, k, rows, op, layout)
 
 
 def clear_cache() -> None:
@@ -348,6 +374,7 @@ def tune_gemv(
     dtype: Any = ml_dtypes.bfloat16,
     rows_list: Iterable[int] = BUCKETS,
     op: str = "fc2",
+    layout: str = "split",
     n_experts: int = 32,
     warmup: int = 3,
     repeats: int = 20,
@@ -370,6 +397,10 @@ def tune_gemv(
         Expanded-row counts; each maps to its :func:`row_bucket` and is profiled at the bucket.
     op : {"fc2", "fc1"}
         Which GEMV of :mod:`cupymoe.gemv` runs the candidates.
+    layout : str
+        The weight layout timed (:data:`~cupymoe.config.WEIGHT_LAYOUTS`): ``"split"`` (the
+        GEMV's own copy, the default of ``prepare_fc1`` / ``prepare_fc2``), or the native bytes
+        in the ``"pair"`` (the default upload order) or ``"plain"`` nibble order.
     n_experts : int
         Experts per weight set (rows are routed to random distinct experts, top-k <= 8).
     warmup, repeats : int
@@ -403,6 +434,12 @@ def tune_gemv(
     act_dtype = np.dtype(_dtype_name(dtype))
     if op not in ("fc1", "fc2"):
         raise ValueError(f"op: expected 'fc1' or 'fc2', got {op!r}")
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"layout: expected one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
+    prepare = {
+        "gemv_order": "split" if layout == "split" else "native",
+        "pair_interleaved": layout != "plain",
+    }
     buckets = sorted({row_bucket(r) for r in rows_list})
     total = count_trials(shapes, fmt=fmt, rows_list=buckets)
     done = 0
@@ -420,7 +457,11 @@ def tune_gemv(
             weights = [
                 random_fp4_gpu(n_experts, n, k, fmt, seed=seed + 7919 * s + m) for m in range(mats)
             ]
-            sets.append(gemv.prepare_fc1(*weights) if op == "fc1" else gemv.prepare_fc2(*weights))
+            sets.append(
+                gemv.prepare_fc1(*weights, **prepare)  # type: ignore[arg-type]
+                if op == "fc1"
+                else gemv.prepare_fc2(*weights, **prepare)  # type: ignore[arg-type]
+            )
         for bucket in buckets:
             top_k = min(8, bucket, n_experts)
             while bucket % top_k:
@@ -445,12 +486,20 @@ def tune_gemv(
             if best is None:
                 continue
             key = cache_key(
-                device_name=name, fmt=fmt, dtype=act_dtype, n=n, k=k, rows=bucket, op=op
+                device_name=name,
+                fmt=fmt,
+                dtype=act_dtype,
+                n=n,
+                k=k,
+                rows=bucket,
+                op=op,
+                layout=layout,
             )
             results[key] = {
                 "config": dataclasses.asdict(best[1]),
                 "us": round(best[0], 3),
                 "op": op,
+                "layout": layout,
                 "candidates": {label: round(t, 3) for label, t in timings.items()},
             }
     store_results(results, path)

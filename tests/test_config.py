@@ -123,8 +123,11 @@ def test_tune_cache_beats_table_and_env_beats_cache(
     kw = dict(n=512, k=2048, rows=8, fmt="nvfp4", device_name="NVIDIA H200", dtype="float16")
     assert GemvConfig.for_problem(**kw) == GemvConfig(64, 128)  # type: ignore[arg-type]
     assert seen and seen[0]["n"] == 512 and seen[0]["rows"] == 8 and seen[0]["op"] == "fc2"
+    assert seen[0]["layout"] == "split"  # the default layout of prepare_fc1 / prepare_fc2
     GemvConfig.for_problem(**kw, gated=True)  # type: ignore[arg-type]
     assert seen[-1]["op"] == "fc1"
+    GemvConfig.for_problem(**kw, layout="pair")  # type: ignore[arg-type]
+    assert seen[-1]["layout"] == "pair"
     # no device name or no dtype: the cache is not consulted
     seen.clear()
     GemvConfig.for_problem(n=512, k=2048, rows=8, fmt="nvfp4", device_name="")

@@ -63,12 +63,15 @@ def test_cache_path_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path) -> No
 def test_cache_key_normalises() -> None:
     a = tune.cache_key(**_PROBLEM, rows=3)
     b = tune.cache_key(**{**_PROBLEM, "fmt": Fp4Format.NVFP4, "dtype": "bfloat16"}, rows=4)
-    assert a == b == "NVIDIA H200|fc2|nvfp4|bfloat16|512|2048|4"
-    assert (
-        tune.cache_key(**_PROBLEM, rows=3, op="fc1") == "NVIDIA H200|fc1|nvfp4|bfloat16|512|2048|4"
-    )
+    assert a == b == "NVIDIA H200|fc2|split|nvfp4|bfloat16|512|2048|4"
+    fc1 = tune.cache_key(**_PROBLEM, rows=3, op="fc1")
+    assert fc1 == "NVIDIA H200|fc1|split|nvfp4|bfloat16|512|2048|4"
+    pair = tune.cache_key(**_PROBLEM, rows=3, layout="pair")
+    assert pair == "NVIDIA H200|fc2|pair|nvfp4|bfloat16|512|2048|4"
     with pytest.raises(ValueError, match="op"):
         tune.cache_key(**_PROBLEM, rows=1, op="fc3")
+    with pytest.raises(ValueError, match="^layout"):
+        tune.cache_key(**_PROBLEM, rows=1, layout="native")
     with pytest.raises(TypeError, match="dtype"):
         tune.cache_key(**{**_PROBLEM, "dtype": np.float32}, rows=1)
     with pytest.raises(ValueError, match="fmt"):
@@ -92,6 +95,7 @@ def test_round_trip(tmp_path, fake_config) -> None:
     assert tune.lookup_tuned(**{**_PROBLEM, "n": 1024}, rows=8, path=path) is None
     assert tune.lookup_tuned(**{**_PROBLEM, "device_name": "A100"}, rows=8, path=path) is None
     assert tune.lookup_tuned(**_PROBLEM, rows=8, op="fc1", path=path) is None  # FC2's entry
+    assert tune.lookup_tuned(**_PROBLEM, rows=8, layout="pair", path=path) is None  # split's
 
 
 def test_lookup_is_memoised_until_store(tmp_path, fake_config) -> None:
@@ -155,3 +159,59 @@ def test_random_routing_contract() -> None:
         lo, hi = routing.expert_offsets[e], routing.expert_offsets[e + 1]
         assert np.all(expert_of_row[lo:hi] == e)
         assert np.all(np.diff(routing.sorted_rows[lo:hi]) > 0)  # stable: ascending token
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["split", "pair"])
+def test_tune_gemv_per_layout(layout: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tuned entry is stored under the layout it timed, and a GEMV on weights in that layout
+    asks the cache for that layout (the split copy and the native bytes are different kernels)."""
+    cupy = pytest.importorskip("cupy")
+    from cupymoe import gemv
+    from cupymoe.config import GemvConfig
+
+    path = tmp_path / "tune.json"
+    got = tune.tune_gemv(
+        [(64, 128)],
+        fmt="nvfp4",
+        rows_list=[2],
+        layout=layout,
+        n_experts=4,
+        warmup=1,
+        repeats=3,
+        l2_defeat_bytes=1,
+        path=path,
+    )
+    ((key, entry),) = got.items()
+    assert key == tune.cache_key(
+        device_name=tune.device_name(),
+        fmt="nvfp4",
+        dtype=ml_dtypes.bfloat16,
+        n=64,
+        k=128,
+        rows=2,
+        layout=layout,
+    )
+    assert entry["layout"] == layout
+    assert set(entry["candidates"]) == {
+        repr(c) for c in GemvConfig.candidates(n=64, k=128, fmt="nvfp4")
+    }
+    winner = GemvConfig(**entry["config"])
+    assert entry["us"] == min(entry["candidates"].values()) and winner in GemvConfig.candidates(
+        n=64, k=128, fmt="nvfp4"
+    )
+
+    seen: list[str] = []
+    real = tune.lookup_tuned
+
+    def spy(**kwargs: object) -> object:
+        seen.append(str(kwargs["layout"]))
+        return real(**{**kwargs, "path": path})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tune, "lookup_tuned", spy)
+    order = "split" if layout == "split" else "native"
+    weights = gemv.prepare_fc2(tune.random_fp4_gpu(4, 64, 128, "nvfp4"), gemv_order=order)
+    routing = tune.random_routing(np.random.default_rng(0), 1, 2, 4)
+    h = cupy.asarray(np.random.default_rng(1).standard_normal((2, 128)).astype(ml_dtypes.bfloat16))
+    gemv.fc2(h, weights, routing)
+    assert seen == [layout]
