@@ -5,7 +5,7 @@ Run on a GPU from the repository root::
 
     PYTHONPATH=. python3 benchmarks/bench_routing.py [--tokens 1,4,8,64,1024] [--experts 256]
         [--top-k 8] [--hidden 2048] [--logits fp32|bf16] [--calls 64] [--repeats 30]
-        [--json results.json]
+        [--pdl] [--json results.json]
 
 Each stage is recorded ``--calls`` times back to back into one CUDA graph, every call on its own
 inputs and outputs (distinct logits, rows and routing buffers, as the layers of a decode step
@@ -14,7 +14,9 @@ graph node, launch gap included. The same graph of an empty kernel gives that ga
 floor of any one-launch stage). Stages: ``route`` softmax top-k and DeepSeek-V3's grouped
 sigmoid (8 groups, 4 kept, correction bias, renormalised, scale 2.5) -- one launch when
 M * k <= 64, else routing + maps launches --, ``expand`` (bf16 rows, H) and ``finalize``
-(bf16 y -> bf16 out, H).
+(bf16 y -> bf16 out, H). ``--pdl`` makes route and finalize programmatic dependent launches
+(``cupymoe/_launch.py``), as ``MoELayer`` does: each call's launch overlaps the previous call's
+end, and waits for it before touching memory.
 """
 
 from __future__ import annotations
@@ -63,7 +65,14 @@ def _routers(e: int, k: int) -> dict[str, Router]:
 
 
 def bench(
-    tokens: list[int], e: int, k: int, h: int, calls: int, repeats: int, logits_dtype: Any
+    tokens: list[int],
+    e: int,
+    k: int,
+    h: int,
+    calls: int,
+    repeats: int,
+    logits_dtype: Any,
+    pdl: bool = False,
 ) -> list[dict[str, Any]]:
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
@@ -76,7 +85,7 @@ def bench(
         outs = [Routing.empty(m, e, k, xp=cupy) for _ in range(calls)]
         for name, router in _routers(e, k).items():
             us = _per_call_us(
-                lambda lg, o, r=router: route(lg, r, out=o),
+                lambda lg, o, r=router: route(lg, r, out=o, pdl=pdl),
                 list(zip(logits, outs, strict=True)),
                 repeats,
             )
@@ -90,7 +99,9 @@ def bench(
         y = [cupy.asarray(rng.standard_normal((m * k, h)).astype(BF16)) for _ in range(calls)]
         out = [cupy.empty((m, h), BF16) for _ in range(calls)]
         us = _per_call_us(
-            lambda a, o, b: finalize(a, o, out=b), list(zip(y, outs, out, strict=True)), repeats
+            lambda a, o, b: finalize(a, o, out=b, pdl=pdl),
+            list(zip(y, outs, out, strict=True)),
+            repeats,
         )
         rows.append({"stage": f"finalize (H {h})", "tokens": m, "us": us})
         print(f"M={m} done", file=sys.stderr)
@@ -106,15 +117,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--logits", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launches")
     parser.add_argument("--json", dest="json_path")
     a = parser.parse_args()
     tokens = [int(t) for t in a.tokens.split(",")]
     dtype = np.float32 if a.logits == "fp32" else BF16
-    rows = bench(tokens, a.experts, a.top_k, a.hidden, a.calls, a.repeats, dtype)
+    rows = bench(tokens, a.experts, a.top_k, a.hidden, a.calls, a.repeats, dtype, a.pdl)
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     print(
         f"{name}, E {a.experts}, top-{a.top_k}, {a.logits} logits, graph of {a.calls} calls, "
-        f"median of {a.repeats}"
+        f"median of {a.repeats}, PDL {'on' if a.pdl else 'off'}"
     )
     print("(route: one launch while M * k <= 64, else routing + maps launches)")
     stages = list(dict.fromkeys(r["stage"] for r in rows if r["tokens"]))
@@ -130,7 +142,15 @@ def main() -> None:
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump(
-                {"device": name, "experts": a.experts, "top_k": a.top_k, "rows": rows}, f, indent=1
+                {
+                    "device": name,
+                    "experts": a.experts,
+                    "top_k": a.top_k,
+                    "pdl": a.pdl,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
             )
 
 

@@ -1,14 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Typed kernel launches.
+"""Typed kernel launches, optionally as programmatic dependent launches (PDL).
 
 CuPy validates nothing about kernel arguments ("No validation is performed ... including types
 and number of arguments"): a bare Python ``int`` becomes a 64-bit value and silently shifts every
 later argument. :func:`launch` accepts only device arrays, ``None`` (a null pointer) and NumPy
 scalars of an exact type, so each call site states the C++ type of every scalar.
+
+PDL (sm_90 and newer, CUDA driver 12.3 and newer, which records it in CUDA graphs too): a launch
+with the programmatic-stream-serialization attribute may start while the previous kernel on the
+stream is still running, once every block of that kernel has executed
+``griddepcontrol.launch_dependents``. Its blocks then run their prologue (shared tables, reads of
+data that kernel does not write) and block in ``griddepcontrol.wait`` until it has completed and
+its writes are visible. The kernels launched this way call ``cm::wait_upstream()`` (common.cuh)
+before they read what the previous kernel wrote and before they write anything. CuPy has no
+``cuLaunchKernelEx``; it is called through ``ctypes`` on ``libcuda``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,7 +29,52 @@ import numpy as np
 from ._backend import require_cupy
 from ._compile import KernelSpec, get_kernel
 
+__all__ = ["ENV_PDL", "launch", "pdl_enabled", "pdl_supported"]
+
+#: ``CUPYMOE_PDL=0`` turns programmatic dependent launches off (every launch is an ordinary one).
+ENV_PDL = "CUPYMOE_PDL"
+
 _SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float64, np.bool_)
+
+# The C type of each accepted scalar (kernelParams points at a value of exactly this size).
+_CTYPES: dict[type, Any] = {
+    np.int32: ctypes.c_int32,
+    np.uint32: ctypes.c_uint32,
+    np.int64: ctypes.c_int64,
+    np.uint64: ctypes.c_uint64,
+    np.float32: ctypes.c_float,
+    np.float64: ctypes.c_double,
+    np.bool_: ctypes.c_bool,
+}
+
+# cuda.h (CUDA 12.0+): CUlaunchAttributeID, CUlaunchAttributeValue (a 64-byte union),
+# CUlaunchAttribute {id; pad to 8; value}, CUlaunchConfig.
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PDL_MIN_DRIVER = 12030  # graph capture of programmatic dependencies
+_PDL_MIN_CC = 90
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [
+        ("grid_x", ctypes.c_uint),
+        ("grid_y", ctypes.c_uint),
+        ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint),
+        ("block_y", ctypes.c_uint),
+        ("block_z", ctypes.c_uint),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 def _check_args(spec: KernelSpec, args: Sequence[Any]) -> None:
@@ -31,6 +88,86 @@ def _check_args(spec: KernelSpec, args: Sequence[Any]) -> None:
         )
 
 
+def _dims(v: tuple[int, ...] | int) -> tuple[int, int, int]:
+    t = v if isinstance(v, tuple) else (v,)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"launch dimensions: expected 1 to 3 values, got {t}")
+    return (*t, 1, 1)[:3]  # type: ignore[return-value]
+
+
+def kernel_params(args: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """``void* kernelParams[]`` for ``args`` (checked by :func:`launch`) and the C values it
+    points at (keep them alive until the launch call returns)."""
+    values: list[Any] = []
+    for a in args:
+        if a is None:
+            values.append(ctypes.c_void_p(0))
+        elif type(a) in _CTYPES:
+            values.append(_CTYPES[type(a)](a.item()))
+        else:  # cupy.ndarray: its device address
+            values.append(ctypes.c_void_p(int(a.data.ptr)))
+    array = (ctypes.c_void_p * max(len(values), 1))()
+    for i, v in enumerate(values):
+        array[i] = ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+    return array, values
+
+
+def pdl_config(
+    grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream_ptr: int
+) -> tuple[_LaunchConfig, _LaunchAttribute]:
+    """The ``CUlaunchConfig`` of a programmatic dependent launch (and its one attribute)."""
+    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.flag = 1
+    config = _LaunchConfig(
+        *grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), ctypes.pointer(attr), 1
+    )
+    return config, attr
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> Any:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = [
+        ctypes.POINTER(_LaunchConfig),
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
+
+
+def pdl_supported(driver_version: int, compute_capability: int, has_launch_ex: bool) -> bool:
+    """Whether a driver (``cudaDriverGetVersion``), a device (``major * 10 + minor``) and a
+    ``libcuda`` (with or without ``cuLaunchKernelEx``) run programmatic dependent launches, in
+    streams and in captured CUDA graphs."""
+    return driver_version >= _PDL_MIN_DRIVER and compute_capability >= _PDL_MIN_CC and has_launch_ex
+
+
+@functools.cache
+def _device_supports_pdl(device_id: int) -> bool:
+    cupy = require_cupy()
+    try:
+        driver = int(cupy.cuda.runtime.driverGetVersion())
+        cc = int(cupy.cuda.Device(device_id).compute_capability)
+        has_ex = hasattr(_libcuda(), "cuLaunchKernelEx")
+    except (OSError, cupy.cuda.runtime.CUDARuntimeError):  # no driver, or no libcuda.so.1
+        return False
+    return pdl_supported(driver, cc, has_ex)
+
+
+def pdl_enabled() -> bool:
+    """Whether ``launch(..., pdl=True)`` makes programmatic dependent launches on the current
+    device: sm_90+, driver 12.3+, and ``CUPYMOE_PDL`` not ``0``."""
+    if os.environ.get(ENV_PDL, "1").strip() == "0":
+        return False
+    return _device_supports_pdl(_current_device())
+
+
+def _current_device() -> int:
+    return int(require_cupy().cuda.Device().id)
+
+
 def launch(
     spec: KernelSpec,
     grid: tuple[int, ...] | int,
@@ -39,18 +176,32 @@ def launch(
     *,
     shared_mem: int = 0,
     stream: Any = None,
+    pdl: bool = False,
 ) -> None:
     """Launch ``spec`` on ``stream`` (the current stream when ``None``).
 
-    ``args`` follow the ``__global__`` signature in the ``.cu`` file, in order.
+    ``args`` follow the ``__global__`` signature in the ``.cu`` file, in order. ``pdl``: a
+    programmatic dependent launch when :func:`pdl_enabled` (else an ordinary one); only for
+    kernels that call ``cm::wait_upstream()`` before touching the previous kernel's data.
     """
     _check_args(spec, args)
     kernel = get_kernel(spec)
-    grid = grid if isinstance(grid, tuple) else (grid,)
-    block = block if isinstance(block, tuple) else (block,)
+    grid3, block3 = _dims(grid), _dims(block)
+    if pdl and pdl_enabled():
+        cupy = require_cupy()
+        s = stream if stream is not None else cupy.cuda.get_current_stream()
+        config, attr = pdl_config(grid3, block3, shared_mem, int(s.ptr))
+        params, values = kernel_params(args)
+        status = _libcuda().cuLaunchKernelEx(
+            ctypes.byref(config), ctypes.c_void_p(int(kernel.kernel.ptr)), params, None
+        )
+        del attr, values  # alive until here: the driver copied them during the call
+        if status != 0:
+            raise RuntimeError(f"{spec.expression}: cuLaunchKernelEx failed (CUresult {status})")
+        return
     cupy_args = tuple(0 if a is None else a for a in args)  # CuPy passes 0 as a null pointer
     if stream is None:
-        kernel(grid, block, cupy_args, shared_mem=shared_mem)
+        kernel(grid3, block3, cupy_args, shared_mem=shared_mem)
     else:
         with stream:
-            kernel(grid, block, cupy_args, shared_mem=shared_mem)
+            kernel(grid3, block3, cupy_args, shared_mem=shared_mem)

@@ -82,11 +82,17 @@ class DeviceLayer:
         ws = self.workspace(x.dtype)
         routing = ws.routing.prefix(m)
         h, y = ws.h[:rows], ws.y[:rows]
+        # Programmatic dependent launches (cupymoe/_launch.py): each stage starts while the one
+        # before it finishes; FC2 and finalize read the routing maps before their wait, which is
+        # sound because the stage before each of them ran after routing had completed.
         return [
-            ("route", lambda: route(logits, layer.router, out=routing)),
-            ("fc1", lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h)),
-            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y)),
-            ("finalize", lambda: _finalize(y, routing, out)),
+            ("route", lambda: route(logits, layer.router, out=routing, pdl=True)),
+            (
+                "fc1",
+                lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h, pdl=True),
+            ),
+            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True)),
+            ("finalize", lambda: finalize(y, routing, out=out, pdl=True)),
         ]
 
     def run(self, x: Any, logits: Any, *, out: Any = None) -> Any:
@@ -103,10 +109,6 @@ class DeviceLayer:
     def capturable(self, n_tokens: int) -> bool:
         """Whether a call with ``n_tokens`` stays on the GEMV path (which a graph can record)."""
         return n_tokens * self.layer.top_k <= ROW_WINDOW
-
-
-def _finalize(y: Any, routing: Routing, out: Any) -> Any:
-    return finalize(y, routing, out=out)
 
 
 class LayerGraph:

@@ -442,6 +442,10 @@ def info() -> None:
                 f"gpu      {props['name'].decode()} (sm_{props['major']}{props['minor']}, "
                 f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)"
             )
+            from ._launch import pdl_enabled
+
+            state = "on" if pdl_enabled() else "off (needs sm_90+, driver 12.3+, CUPYMOE_PDL!=0)"
+            click.echo(f"pdl      programmatic dependent launches {state}")
         else:
             click.echo("gpu      none found; reference backend")
         cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
@@ -450,9 +454,10 @@ def info() -> None:
 
     click.echo(f"tuning   {cache_path()}")
     click.echo("environment:")
+    from ._launch import ENV_PDL
     from .config import ENV_GEMV_CONFIG
 
-    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG):
+    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL):
         click.echo(f"  {name}={os.environ.get(name, '')!s:<20} ")
 
 

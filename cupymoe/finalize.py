@@ -77,7 +77,13 @@ def finalize_ref(y: np.ndarray, routing: Routing, *, bias: np.ndarray | None = N
 
 
 def finalize(
-    y: Any, routing: Routing, *, bias: Any = None, out: Any = None, out_dtype: Any = None
+    y: Any,
+    routing: Routing,
+    *,
+    bias: Any = None,
+    out: Any = None,
+    out_dtype: Any = None,
+    pdl: bool = False,
 ) -> Any:
     """Weighted sum of each token's ``top_k`` expert rows on the GPU.
 
@@ -93,6 +99,11 @@ def finalize(
         C-contiguous; its dtype is the output dtype. Nothing is allocated when given.
     out_dtype : dtype, optional
         Output dtype when ``out`` is not given (default: y's dtype).
+    pdl : bool
+        Make the launch a programmatic dependent launch (:mod:`cupymoe._launch`) that reads the
+        routing weights while the previous kernel finishes and waits for it before it reads
+        ``y``. Only when the previous kernel on the stream ran after ``routing`` was complete:
+        the FC2 of this call, as in ``MoELayer``.
 
     Returns
     -------
@@ -157,5 +168,6 @@ def finalize(
             np.int32(hidden),
             out,
         ),
+        pdl=pdl,
     )
     return out

@@ -609,6 +609,7 @@ def fc1(
     out: Any = None,
     config: GemvConfig | None = None,
     row_window: int = ROW_WINDOW,
+    pdl: bool = False,
 ) -> Any:
     """FC1 GEMV with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
 
@@ -626,6 +627,10 @@ def fc1(
         Tiling; default :meth:`GemvConfig.for_problem`.
     row_window : int
         Above this many expanded rows, :func:`cupymoe.batched.fc1_batched` runs instead.
+    pdl : bool
+        Make the GEMV launch a programmatic dependent launch (:mod:`cupymoe._launch`): its blocks
+        build their scale tables while the previous kernel finishes and wait for it before they
+        read the routing maps. Safe after any kernel.
 
     Returns
     -------
@@ -711,6 +716,7 @@ def fc1(
             np.float32(act.alpha),
             np.float32(act.limit),
         ),
+        pdl=pdl,
     )
     return out
 
@@ -723,6 +729,7 @@ def fc2(
     out: Any = None,
     config: GemvConfig | None = None,
     row_window: int = ROW_WINDOW,
+    pdl: bool = False,
 ) -> Any:
     """FC2 GEMV: ``y[r] = h[r] W[e]^T + b[e]`` for every expanded row ``r`` of expert ``e``.
 
@@ -737,6 +744,11 @@ def fc2(
     config : GemvConfig, optional
     row_window : int
         Above this many expanded rows, :func:`cupymoe.batched.fc2_batched` runs instead.
+    pdl : bool
+        Make the GEMV launch a programmatic dependent launch (:mod:`cupymoe._launch`) that reads
+        the routing maps and builds its scale tables while the previous kernel finishes and waits
+        for it only before it reads ``h``. Only when the previous kernel on the stream ran after
+        ``routing`` was complete: this call's :func:`fc1`, as in ``MoELayer``.
 
     Returns
     -------
@@ -794,6 +806,7 @@ def fc2(
             np.int32(_chunks(w.k)),
             np.int32(shift),
         ),
+        pdl=pdl,
     )
     return out
 

@@ -506,7 +506,7 @@ def check_device_routing(
     return m, k
 
 
-def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing:
+def route(logits: Any, router: Router, *, out: Routing | None = None, pdl: bool = False) -> Routing:
     """Top-k routing and expert maps on the GPU; same semantics as :func:`route_ref`.
 
     Parameters
@@ -520,6 +520,10 @@ def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing
         (``Routing.empty(max_tokens, E, k).prefix(M)`` gives valid views). With ``out`` no
         memory is allocated and nothing synchronises: the call can be captured in a CUDA graph
         (after one warm-up call that compiles the kernels and copies ``correction_bias``).
+    pdl : bool
+        Make the one-launch path a programmatic dependent launch (:mod:`cupymoe._launch`): it
+        may start while the previous kernel on the stream finishes, and waits for it before it
+        reads ``logits`` or writes anything. Safe after any kernel.
 
     Returns
     -------
@@ -586,6 +590,7 @@ def route(logits: Any, router: Router, *, out: Routing | None = None) -> Routing
                     out.active_experts,
                     np.int32(min(n, e)),
                 ),
+                pdl=pdl,
             )
             return out
         spec = KernelSpec("routing", "route_warp", (ctype, kmethod, keys))

@@ -127,7 +127,7 @@ def test_bad_shape_is_a_clear_error() -> None:
 def test_info() -> None:
     code, out = _run("info")
     assert code == 0, out
-    for word in ("cupymoe", "numpy", "cupy", "tuning", "CUPYMOE_LINEINFO"):
+    for word in ("cupymoe", "numpy", "cupy", "tuning", "CUPYMOE_LINEINFO", "CUPYMOE_PDL"):
         assert word in out
 
 

@@ -73,4 +73,19 @@ template <int kFormat> struct FormatTraits;
 template <> struct FormatTraits<0> { static constexpr int kBlock = 16; };
 template <> struct FormatTraits<1> { static constexpr int kBlock = 32; };
 
+// ---- programmatic dependent launch (cupymoe/_launch.py) ---------------------------------------
+// Waits until the previous kernel on the stream has completed and its writes are visible, then
+// lets the next kernel (when it is a programmatic dependent launch) start its prologue. A kernel
+// launched this way calls it, in every thread, before it reads what the previous kernel wrote and
+// before it writes global memory; before the call it may only read data that no kernel still
+// running writes. Releasing only after the wait keeps an invariant every kernel may rely on: when
+// a kernel starts, every kernel before its predecessor has completed. No-op for an ordinary
+// launch and before sm_90.
+__device__ __forceinline__ void wait_upstream() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace cm

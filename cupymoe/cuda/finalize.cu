@@ -22,6 +22,9 @@ __global__ void __launch_bounds__(128) finalize_rows(
         row_s[j] = inverse[t * top_k + j];
     }
     __syncthreads();
+    // As a programmatic dependent of the layer's FC2 (cupymoe/_launch.py): the routing maps read
+    // above are older than FC2 and complete (common.cuh); y is FC2's output.
+    cm::wait_upstream();
     const int col = (blockIdx.y * blockDim.x + threadIdx.x) * kVec;
     if (col >= hidden) return;
     float acc[kVec];

@@ -58,6 +58,11 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
     return v;
 }
 
+// Asks the L2 for the line holding p (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     uint32_t d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -370,13 +375,17 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     __shared__ uint32_t table[256];                 // 16-bit scale value, in both halves
     __shared__ float4 partial[kWarps][kTiles][32];  // per-warp sums, one float4 per lane
 
-    const int e = p.active[blockIdx.y];
-    if (e < 0 || e >= p.n_experts) return;  // uniform per block: before any barrier
     for (int i = threadIdx.x; i < 256; i += kThreads) {
         const uint32_t b = scale_bits<kFormat, T>(i, kTableShift + p.scale_shift);
         table[i] = b | (b << 16);
     }
     __syncthreads();
+    // Programmatic dependent launch (common.cuh): FC1 follows the routing launch and waits before
+    // it reads the maps; FC2 follows FC1, so the maps are complete and it reads them, and starts
+    // its weight loads, while FC1 finishes, waiting only before it reads x (FC1's output).
+    if constexpr (kGated) cm::wait_upstream();
+    const int e = p.active[blockIdx.y];
+    if (e < 0 || e >= p.n_experts) return;  // uniform per block: after the last block barrier
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -411,6 +420,25 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     const int full_chunks = p.k / kChunk;  // chunks entirely inside K
     const int warp_last = kAdvance - Loop::kStep + warp * 4 + 3;  // last chunk of iteration 0
 
+    // Weight bytes of m-tile m, row g (h = 0) or g + 8 (h = 1), at the lane's first chunk.
+    const auto lane_woff = [&](int m, int h) -> uint32_t {
+        return kOrder == kSplit
+                   ? ((stile[m] * p.chunks + lane_chunk) * kColsPerTile + g + (kGated ? 0 : 8 * h)) *
+                         (kChunk / 2)
+                   : wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
+    };
+    if constexpr (!kGated) {
+        // FC2 asks the L2 for its first weight chunks before the wait: after FC1 as a
+        // programmatic dependent launch they arrive while FC1 finishes (2 x kTiles instructions).
+        if (lane_chunk < p.chunks) {
+#pragma unroll
+            for (int m = 0; m < kTiles; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) prefetch_l2(wbase0 + lane_woff(m, h));
+            }
+        }
+        cm::wait_upstream();  // x is FC1's output
+    }
     for (int r0 = row_begin; r0 < row_end; r0 += 8) {
         // This lane's activation row (B column g): FC1 reads x in token order. A lane past the
         // expert's last row reads row 0 (valid memory): B column g only feeds the sums of
@@ -425,12 +453,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
 #pragma unroll
         for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-                loop.woff[m][h] =
-                    kOrder == kSplit
-                        ? ((stile[m] * p.chunks + lane_chunk) * kColsPerTile + g + (kGated ? 0 : 8 * h)) *
-                              (kChunk / 2)
-                        : wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
+            for (int h = 0; h < 2; ++h) loop.woff[m][h] = lane_woff(m, h);
             loop.soff[m] = ((stile[m] * p.chunks + lane_chunk) * 8 + g) * kScaleBytes;
 #pragma unroll
             for (int i = 0; i < 4; ++i) loop.acc[m][i] = 0.0f;

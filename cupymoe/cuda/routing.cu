@@ -572,6 +572,7 @@ __global__ void __launch_bounds__(288) route_fused(
     __shared__ __align__(16) int cnt[rt::kWarpMapBuckets];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_route = (blockDim.x >> 5) - 1;
+    cm::wait_upstream();  // the logits, and every buffer written here, belong to earlier kernels
     if (warp == n_route) {
         rt::zero_map_counts(cnt, lane);
         asm volatile("bar.sync %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
