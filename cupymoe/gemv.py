@@ -27,7 +27,7 @@ import numpy as np
 
 from ._backend import device_output, is_cupy_array, require_cupy, to_numpy
 from ._compile import KernelSpec
-from ._launch import launch
+from ._launch import launch, pdl_enabled
 from .config import CHUNK, ROW_WINDOW, TILINGS, WEIGHT_LAYOUTS, GemvConfig
 from .dequant import DeviceFp4
 from .formats import _PAIR_SLOT, Fp4Experts, Fp4Format, parse_enum
@@ -805,6 +805,7 @@ def fc2(
             np.int32(w.k),
             np.int32(_chunks(w.k)),
             np.int32(shift),
+            np.int32(pdl and pdl_enabled()),  # dependent: prefetch before the wait
         ),
         pdl=pdl,
     )
