@@ -386,7 +386,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     // its weight loads, while FC1 finishes, waiting only before it reads x (FC1's output).
     if constexpr (kGated) cm::wait_upstream();
     const int e = p.active[blockIdx.y];
-    if (e < 0 || e >= p.n_experts) return;  // uniform per block: after the last block barrier
+    if (e < 0 || e >= p.n_experts) return;  // uniform per block: no later barrier is split
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
