@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import importlib
 import importlib.resources
+import multiprocessing
 import os
 import re
 import threading
@@ -263,9 +264,9 @@ def compile_offline(
 
     The specs of one stage are split into ``workers`` NVRTC programs (default: one per CPU, at
     most 8) of the text the run-time loader compiles, with the same options plus ``-ftz=true`` as
-    CuPy adds, compiled in parallel threads (NVRTC releases the GIL; 2 threads on 2 cores: 1.8x).
-    Results come in the order of ``specs``. Raises ``RuntimeError`` with the compiler log when a
-    stage fails to compile.
+    CuPy adds, compiled in parallel worker processes (spawned: NVRTC 12.9 crashed when two threads
+    compiled at once). One program is compiled in this process. Results come in the order of
+    ``specs``. Raises ``RuntimeError`` with the compiler log when a stage fails to compile.
     """
     n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
     if n_workers < 1:
@@ -278,9 +279,14 @@ def compile_offline(
     for stage, stage_specs in by_stage.items():
         size = -(-len(stage_specs) // n_workers)
         jobs += [(stage, stage_specs[i : i + size]) for i in range(0, len(stage_specs), size)]
-    with concurrent.futures.ThreadPoolExecutor(n_workers) as pool:
-        parts = pool.map(lambda job: _compile_program(job[0], job[1], arch, options), jobs)
-        by_spec = {r.spec: r for part in parts for r in part}
+    if n_workers == 1 or len(jobs) == 1:
+        parts = [_compile_program(stage, chunk, arch, options) for stage, chunk in jobs]
+    else:
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=context) as pool:
+            futures = [pool.submit(_compile_program, st, ch, arch, options) for st, ch in jobs]
+            parts = [f.result() for f in futures]
+    by_spec = {r.spec: r for part in parts for r in part}
     return [by_spec[spec] for spec in specs]
 
 

@@ -81,7 +81,7 @@ def test_parallel_offline_compile_keeps_order_and_results() -> None:
     _nvrtc_archs()
     specs = [s for s in all_kernel_specs() if s.stage in ("finalize", "expand")][::-1]
     serial = compile_offline(specs, "sm_90", workers=1)
-    parallel = compile_offline(specs, "sm_90", workers=3)  # 3 programs per stage, 3 threads
+    parallel = compile_offline(specs, "sm_90", workers=3)  # 3 programs per stage, 3 processes
     assert [r.spec for r in parallel] == specs
     assert parallel == serial
     with pytest.raises(ValueError, match="workers"):
