@@ -58,9 +58,14 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
     return v;
 }
 
-// Asks the L2 for the line holding p (no register, no wait).
+// Asks the L2 for the line holding p (no register, no wait). Only where the GEMV uses it, after
+// a programmatic dependent launch (sm_90+); not for sm_120, where NVRTC 12.9 crashes on it.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1200
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+    (void)p;
+#endif
 }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
