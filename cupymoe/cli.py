@@ -22,6 +22,7 @@ import numpy as np
 
 from . import __version__
 from ._backend import cupy_or_none, gpu_available
+from .config import WEIGHT_LAYOUTS
 from .presets import PRESETS, LayerShape, random_layer
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
@@ -360,7 +361,7 @@ def bench(
 )
 @click.option(
     "--layout",
-    type=click.Choice(["split", "pair", "plain"]),
+    type=click.Choice(list(WEIGHT_LAYOUTS)),
     default="split",
     show_default=True,
     help="weight layout the GEMV reads: its split copy (gemv_order='split'), or the native bytes",
