@@ -37,7 +37,7 @@ from .routing import check_device_routing
 __all__ = [
     "DEFAULT_GEMV_ORDER", "DEFAULT_PAIR_INTERLEAVED", "GEMV_ORDERS", "ROW_WINDOW", "Activation",
     "ActivationSpec", "PreparedFc1", "PreparedFc2", "activation_ref", "fc1", "fc1_ref", "fc2",
-    "gemv_layout", "gemv_ref", "kernel_specs", "split_words",
+    "gemv_layout", "gemv_ref", "kernel_specs", "split_slot", "split_words",
     "mx_scale_shift", "prepare_fc1", "prepare_fc2", "tile_scales",
 ]
 # fmt: on
@@ -352,14 +352,29 @@ def split_words(words: Any, pair_interleaved: bool) -> Any:
     return out
 
 
+def split_slot(row: Any, chunk: Any) -> Any:
+    """Where row ``row`` of a tile sits among the 16-byte slots of chunk ``chunk`` in the split
+    layout: rows rotate by ``2 * (chunk % 4)`` inside each group of 8 (NumPy broadcasting).
+
+    A GEMV warp's lanes (g, t) load row g of chunk 4j + t. Without the rotation the eight lanes
+    of a quarter warp (g in {2p, 2p + 1}, t in 0..3) read 16-byte pieces that are 256 or 128
+    bytes apart and come back through the same two L1 bank groups; with it, through eight.
+
+    >>> split_slot(np.arange(8), 1).tolist()
+    [2, 3, 4, 5, 6, 7, 0, 1]
+    """
+    return (row // 8) * 8 + (row % 8 + 2 * (chunk % 4)) % 8
+
+
 def gemv_layout(packed: Any, k: int, pair_interleaved: bool, rows_per_tile: int) -> Any:
     """``packed [E, N, K/2]`` -> the GEMV's split layout ``[E, tiles, chunks, rows_per_tile, 16]``.
 
     Rows are grouped in tiles of ``rows_per_tile`` (FC1: 8, gate and up each; FC2: 16; the last
     tile padded with zero rows), K in 32-code chunks (zero-padded), and a tile is stored
-    chunk-major: the rows of one chunk are ``16 * rows_per_tile`` contiguous bytes and a tile's
-    whole K range is one stream. Every word is in the :func:`split_words` order. NumPy or CuPy;
-    converts a bounded number of experts at a time.
+    chunk-major: the rows of one chunk are ``16 * rows_per_tile`` contiguous bytes, row ``r`` of
+    chunk ``c`` at slot :func:`split_slot` ``(r, c)``, and a tile's whole K range is one stream.
+    Every word is in the :func:`split_words` order. NumPy or CuPy; converts a bounded number of
+    experts at a time.
     """
     xp = _xp(packed)
     padded = pad_packed(packed, k)
@@ -374,7 +389,10 @@ def gemv_layout(packed: Any, k: int, pair_interleaved: bool, rows_per_tile: int)
         part[:, :n] = padded[lo:hi]
         words = split_words(part.view(np.uint32), pair_interleaved)
         tiled = words.view(np.uint8).reshape(hi - lo, tiles, rows_per_tile, chunks, 16)
-        out[lo:hi] = tiled.transpose(0, 1, 3, 2, 4)
+        tiled = tiled.transpose(0, 1, 3, 2, 4)  # [E, tiles, chunks, rows, 16]
+        for q in range(4):  # the chunks c with c % 4 == q share one rotation
+            slots = split_slot(np.arange(rows_per_tile), q).tolist()
+            out[lo:hi, :, q::4][:, :, :, slots] = tiled[:, :, q::4]
     return out
 
 

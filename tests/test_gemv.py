@@ -328,8 +328,10 @@ def _emulate_kernel(
             tile, r = divmod(col, rows_per_tile)
             for m, mat in enumerate(mats):
                 half, g = (m, r) if len(mats) == 2 else divmod(r, 8)
-                if order == "split":  # [E, tiles, chunks, rows, 16]: row r of every chunk
-                    words = np.ascontiguousarray(split[m][e, tile, :, r]).view("<u4").reshape(-1)
+                if order == "split":  # [E, tiles, chunks, slots, 16]: row r at its slot
+                    at = gemv.split_slot(r, np.arange(chunks))
+                    words = np.ascontiguousarray(split[m][e, tile, np.arange(chunks), at])
+                    words = words.view("<u4").reshape(-1)
                 else:
                     words = np.ascontiguousarray(packed[m][e, col]).view("<u4")
                 bits, exp = _decode(words, dtype, order)
@@ -346,7 +348,7 @@ def _emulate_kernel(
     return outs
 
 
-@pytest.mark.parametrize("fmt, k", [("nvfp4", 48), ("nvfp4", 64), ("mxfp4", 96)])
+@pytest.mark.parametrize("fmt, k", [("nvfp4", 48), ("nvfp4", 64), ("nvfp4", 112), ("mxfp4", 96)])
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 def test_kernel_layouts_emulated(
@@ -371,11 +373,32 @@ def test_gemv_layout_shape_and_padding(rng: np.random.Generator) -> None:
     w = random_fp4_experts(rng, 2, 19, 48, "nvfp4")  # 19 rows: 2 tiles of 16; K 48: 2 chunks
     lay = gemv.gemv_layout(w.packed, 48, False, 16)
     assert lay.shape == (2, 2, 2, 16, 16) and lay.dtype == np.uint8
-    assert not lay[:, 1, :, 3:].any()  # rows 19..31
+    for c in range(2):  # rows 19..31 (tile 1, rows 3..15) are zero, wherever they sit
+        assert not lay[:, 1, c, gemv.split_slot(np.arange(3, 16), c)].any()
+        assert lay[:, 1, c, gemv.split_slot(np.arange(3), c)].any()
     assert not lay[:, :, 1, :, 8:].any()  # codes 48..63
-    first = np.ascontiguousarray(lay[1, 0, 0, 5]).view("<u4")  # expert 1, row 5, codes 0..31
-    want = gemv.split_words(np.ascontiguousarray(w.packed[1, 5, :16]).view("<u4"), False)
-    assert first.tolist() == want.tolist()
+    padded = gemv.pad_packed(w.packed, 48)
+    for c, row in ((0, 5), (1, 13)):  # expert 1: codes 32c .. 32c + 31 of the row, split order
+        got = np.ascontiguousarray(lay[1, 0, c, gemv.split_slot(row, c)]).view("<u4")
+        want = np.ascontiguousarray(padded[1, row, 16 * c : 16 * c + 16]).view("<u4")
+        assert got.tolist() == gemv.split_words(want, False).tolist()
+
+
+def test_split_slots_are_conflict_free() -> None:
+    """The eight lanes of a quarter warp (g in {2p, 2p+1}, t in 0..3, chunk 4j + t) load eight
+    different 16-byte bank groups (address / 16 mod 8), for 8- and 16-row tiles, and each chunk's
+    slots are a permutation of its rows."""
+    for rows in (8, 16):
+        for c in range(4):
+            assert sorted(gemv.split_slot(np.arange(rows), c).tolist()) == list(range(rows))
+        for half in range(rows // 8):
+            for p in range(4):
+                groups = {
+                    (t * rows + gemv.split_slot(8 * half + g, 4 + t)) % 8
+                    for g in (2 * p, 2 * p + 1)
+                    for t in range(4)
+                }
+                assert len(groups) == 8, (rows, half, p)
 
 
 def test_expert_bytes_limit() -> None:

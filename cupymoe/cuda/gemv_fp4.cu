@@ -410,6 +410,10 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     const uint8_t* const wbase0 = p.w0 + (size_t)e * expert_bytes;
     const uint8_t* const wbase1 = (kGated ? p.w1 : p.w0) + (size_t)e * expert_bytes;
     const uint8_t* const sbase = p.scales + (size_t)e * tiles * p.chunks * 8 * kScaleBytes;
+    // The epilogue's global scales, loaded now: their latency hides behind the K loop instead of
+    // adding to the end of a short launch.
+    const float global0 = p.global0[e];
+    const float global1 = kGated ? p.global1[e] : 0.0f;
     int wrow[kTiles][2], stile[kTiles];
 #pragma unroll
     for (int m = 0; m < kTiles; ++m) {
@@ -426,10 +430,14 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     const int full_chunks = p.k / kChunk;  // chunks entirely inside K
     const int warp_last = kAdvance - Loop::kStep + warp * 4 + 3;  // last chunk of iteration 0
 
-    // Weight bytes of m-tile m, row g (h = 0) or g + 8 (h = 1), at the lane's first chunk.
+    // Weight bytes of m-tile m, row g (h = 0) or g + 8 (h = 1), at the lane's first chunk. In the
+    // split layout row g of chunk c sits at slot (g + 2 * (c % 4)) % 8 of its group of 8
+    // (gemv.split_slot; every chunk of lane t has c % 4 == t): the 16-byte pieces a quarter warp
+    // loads then come back through eight different L1 bank groups instead of two.
     const auto lane_woff = [&](int m, int h) -> uint32_t {
         return kOrder == kSplit
-                   ? ((stile[m] * p.chunks + lane_chunk) * kColsPerTile + g + (kGated ? 0 : 8 * h)) *
+                   ? ((stile[m] * p.chunks + lane_chunk) * kColsPerTile + (g + 2 * t) % 8 +
+                      (kGated ? 0 : 8 * h)) *
                          (kChunk / 2)
                    : wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
     };
@@ -448,10 +456,11 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     }
     for (int r0 = row_begin; r0 < row_end; r0 += 8) {
         // This lane's activation row (B column g): FC1 reads x in token order. A lane past the
-        // expert's last row reads row 0 (valid memory): B column g only feeds the sums of
-        // activation row g, which are then never stored.
-        const int row = r0 + g;
-        const int src = row >= row_end ? 0 : (p.row_source ? p.row_source[row] / p.top_k : row);
+        // expert's last row reads the pass's first row, the address lane g = 0 loads (one L1
+        // broadcast instead of a second row in the same bank groups): B column g only feeds the
+        // sums of activation row g, which are then never stored.
+        const int row = r0 + g < row_end ? r0 + g : r0;
+        const int src = p.row_source ? p.row_source[row] / p.top_k : row;
 
         Loop loop;
         loop.wbase[0] = wbase0;
@@ -507,11 +516,11 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
             const int gg = ln / 4;
             const int r = r0 + 2 * (ln % 4);
             const int post = -(Dec::kExp + kTableShift + p.scale_shift);
-            const float f0 = ldexpf(p.global0[e], post);
+            const float f0 = ldexpf(global0, post);
             T* out = static_cast<T*>(p.out);
             if constexpr (kGated) {
                 const int col = tile * 8 + gg;
-                const float f1 = ldexpf(p.global1[e], post);
+                const float f1 = ldexpf(global1, post);
                 if (tile < tiles && col < p.n) {
                     const float bg = kBias ? p.bias0[(size_t)e * p.n + col] : 0.0f;
                     const float bu = kBias ? p.bias1[(size_t)e * p.n + col] : 0.0f;
