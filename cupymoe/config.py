@@ -23,6 +23,7 @@ from .formats import Fp4Format
 
 __all__ = [
     "BLOCKS_FOR_CTA_N",
+    "WIDE_MAX_BLOCKS",
     "ENV_GEMV_CONFIG",
     "ROW_WINDOW",
     "TILINGS",
@@ -44,9 +45,10 @@ CHUNK = 32
 #: tiled split-order copy (``gemv_order="split"``). Tilings are tuned per layout.
 WEIGHT_LAYOUTS: tuple[str, ...] = ("plain", "pair", "split")
 
-#: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them).
-#: 4 warps, at most 128 registers per thread (``__launch_bounds__(128, 4)``): 16 warps per SM.
-TILINGS: tuple[tuple[int, int], ...] = ((16, 128), (32, 128), (64, 128))
+#: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them). The warps
+#: of a block split K. 4 warps: at most 128 registers per thread at cta_n 64 (4 blocks, 16 warps
+#: per SM), 80 at cta_n <= 32 (6 blocks, 24 warps); 8 warps at cta_n 32: 3 blocks, 24 warps.
+TILINGS: tuple[tuple[int, int], ...] = ((16, 128), (32, 128), (64, 128), (32, 256))
 
 #: Analytic table: (blocks the launch must have at least, cta_n), largest tile first; blocks =
 #: ceil(weight rows / cta_n) x active experts (weight rows: N, or 2N for FC1's gate + up). Measured
@@ -57,8 +59,15 @@ TILINGS: tuple[tuple[int, int], ...] = ((16, 128), (32, 128), (64, 128))
 #:  * DeepSeek FC1 / FC2 M=1: 61.8 / 62.3 / 60.0 (512) and 35.6 / 33.7 / 32.9 (896) -> 64.
 #: (gpt-oss FC2 at M=4 / 8 runs 4-7 % faster at 32 than the 64 chosen here; ``cupymoe tune``.)
 BLOCKS_FOR_CTA_N: tuple[tuple[int, int], ...] = ((480, 64), (300, 32))
+#: Where the table picks cta_n 32 for at most this many blocks (3 blocks of 8 warps per SM x 132
+#: SMs: one wave) and K has at least 64 chunks (two steps of 8 warps x 4 chunks), the blocks get 8
+#: warps instead of 4: twice the warps on the SMs of a launch that fills under half a wave.
+#: gpt-oss FC2 at M = 1 (360 blocks, K 2880), H200: 10.86 -> 9.12 µs (session 6).
+WIDE_MAX_BLOCKS = 396
+_WIDE_MIN_K = 64 * 32
 _SMALLEST_CTA_N = 16
 _DEFAULT_THREADS = 128
+_WIDE_THREADS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,13 +112,17 @@ class GemvConfig:
         """The threshold-table choice (no environment, no cache); see :data:`BLOCKS_FOR_CTA_N`.
 
         ``rows`` expanded rows touch at most ``min(rows, n_experts)`` experts (the table counts
-        that many); ``gated`` doubles the weight rows (FC1). ``k`` does not change the choice.
+        that many); ``gated`` doubles the weight rows (FC1); ``k`` only matters for
+        :data:`WIDE_MAX_BLOCKS`.
         """
         Fp4Format.parse(fmt, "fmt")
         weight_rows = int(n) * (2 if gated else 1)
         active = int(rows) if n_experts is None else min(int(rows), int(n_experts))
         for min_blocks, cta_n in BLOCKS_FOR_CTA_N:
-            if -(-weight_rows // cta_n) * active >= min_blocks:
+            blocks = -(-weight_rows // cta_n) * active
+            if blocks >= min_blocks:
+                if cta_n == 32 and blocks <= WIDE_MAX_BLOCKS and int(k) >= _WIDE_MIN_K:
+                    return GemvConfig(cta_n, _WIDE_THREADS)
                 return GemvConfig(cta_n, _DEFAULT_THREADS)
         return GemvConfig(_SMALLEST_CTA_N, _DEFAULT_THREADS)
 

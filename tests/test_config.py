@@ -42,7 +42,8 @@ def test_frozen() -> None:
 
 
 # (n, k, rows, gated, n_experts) -> cta_n: blocks = ceil(rows_w / cta_n) * min(rows, E), 64 at
-# >= 480 blocks, else 32 at >= 300, else 16 (the measured presets of BLOCKS_FOR_CTA_N).
+# >= 480 blocks, else 32 at >= 300 (with 8 warps up to WIDE_MAX_BLOCKS when K >= 2048), else 16
+# (the measured presets of BLOCKS_FOR_CTA_N).
 @pytest.mark.parametrize(
     "n, k, rows, gated, n_experts, cta_n",
     [
@@ -50,7 +51,9 @@ def test_frozen() -> None:
         (512, 2048, 32, True, 256, 64),  # Qwen FC1 M=4: 480
         (2048, 512, 8, False, 256, 32),  # Qwen FC2 M=1: 256 at 64, 512 at 32
         (2048, 512, 32, False, 256, 64),  # Qwen FC2 M=4: 1024
-        (2880, 2880, 4, False, 32, 32),  # gpt-oss FC2 M=1: 180 at 64, 360 at 32
+        (2880, 2880, 4, False, 32, (32, 256)),  # gpt-oss FC2 M=1: 180 at 64, 360 at 32 (wide)
+        (2880, 1024, 4, False, 32, 32),  # the same blocks with K < 2048: 4 warps
+        (2880, 2880, 5, False, 32, 32),  # 450 blocks at 32: more than a wave of 8-warp blocks
         (2880, 2880, 4, True, 32, 32),  # gpt-oss FC1 M=1: 360 at 64
         (2048, 7168, 8, True, 256, 64),  # DeepSeek FC1 M=1: 512
         (7168, 2048, 8, False, 256, 64),  # DeepSeek FC2 M=1: 896
@@ -60,11 +63,17 @@ def test_frozen() -> None:
 )
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_analytic_table(
-    n: int, k: int, rows: int, gated: bool, n_experts: int | None, cta_n: int, fmt: str
+    n: int,
+    k: int,
+    rows: int,
+    gated: bool,
+    n_experts: int | None,
+    cta_n: int | tuple[int, int],
+    fmt: str,
 ) -> None:
     kw = dict(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)
     c = GemvConfig.for_problem(**kw, device_name="")  # type: ignore[arg-type]
-    assert c == GemvConfig(cta_n, 128)
+    assert c == (GemvConfig(*cta_n) if isinstance(cta_n, tuple) else GemvConfig(cta_n, 128))
     assert c == GemvConfig.analytic(**kw)  # type: ignore[arg-type]
 
 

@@ -48,6 +48,10 @@ constexpr int kChunk = 32;  // codes per 16-byte weight load
 // so that 720 blocks (gpt-oss FC1 at M = 1) run in one wave: 18.3 -> 14.7 us on the H200.
 constexpr int kMinBlocks = 4;
 constexpr int kMinBlocksNarrow = 6;
+// Blocks per SM of a tiling: the counts above are for 4-warp blocks; wider blocks keep the warps.
+__host__ __device__ constexpr int min_blocks(int cta_n, int threads) {
+    return (cta_n <= 32 ? kMinBlocksNarrow : kMinBlocks) * 128 / threads;
+}
 
 // 16-byte streaming load (weights are read once per call: keep L1 for the activations).
 __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
@@ -552,7 +556,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
 // FC2: grid = (ceil(ceil(n / 16) / (kCtaN / 16)), expert slots), block = kThreads; a block owns
 // kCtaN output columns (rows of W) of the expert in its slot.
 template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, bool kBias>
-__global__ void __launch_bounds__(kThreads, kCtaN <= 32 ? kMinBlocksNarrow : kMinBlocks)
+__global__ void __launch_bounds__(kThreads, min_blocks(kCtaN, kThreads))
     gemv_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
              const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
              const float* __restrict__ bias, const int* __restrict__ expert_offsets,
@@ -568,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, kCtaN <= 32 ? kMinBlocksNarrow : kMi
 // kCtaN / 2 output columns (gate and up rows of each). x is read in token order through row_source.
 template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, int kAct,
           bool kBias>
-__global__ void __launch_bounds__(kThreads, kCtaN <= 32 ? kMinBlocksNarrow : kMinBlocks)
+__global__ void __launch_bounds__(kThreads, min_blocks(kCtaN, kThreads))
     gemv_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
              const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
              const uint8_t* __restrict__ scales, const float* __restrict__ gate_global,
