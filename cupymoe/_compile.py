@@ -18,9 +18,11 @@ Every stage module lists the specialisations its dispatcher can select in a func
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.resources
+import multiprocessing
 import os
 import re
 import threading
@@ -220,49 +222,72 @@ def offline_options(arch: str) -> list[str]:
     ]
 
 
-def compile_offline(specs: Sequence[KernelSpec], arch: str) -> list[OfflineResult]:
+def _compile_program(
+    stage: str, specs: Sequence[KernelSpec], arch: str, options: list[str]
+) -> list[OfflineResult]:
+    """One NVRTC program of ``stage`` holding ``specs``: compile it, read the ptxas report."""
+    nvrtc = _nvrtc()
+    program = nvrtc.createProgram(kernel_source(stage), f"{stage}.cu", [], [])
+    try:
+        for spec in specs:
+            nvrtc.addNameExpression(program, spec.expression)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"{stage}.cu failed to compile for {arch}:\n{log}") from error
+        log = nvrtc.getProgramLog(program)
+        usage = {m.group("name"): m for m in _PTXAS_USAGE.finditer(log)}
+        results = []
+        for spec in specs:
+            lowered = nvrtc.getLoweredName(program, spec.expression)
+            m = usage.get(lowered)
+            results.append(
+                OfflineResult(
+                    spec=spec,
+                    arch=arch,
+                    lowered_name=lowered,
+                    registers=int(m.group("regs") or 0) if m else -1,
+                    stack_bytes=int(m.group("stack")) if m else -1,
+                    spill_bytes=(int(m.group("spill_st")) + int(m.group("spill_ld"))) if m else -1,
+                )
+            )
+        return results
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_offline(
+    specs: Sequence[KernelSpec], arch: str, *, workers: int | None = None
+) -> list[OfflineResult]:
     """Compile ``specs`` to machine code for ``arch`` (``"sm_90"``) with NVRTC and no GPU.
 
-    Specs of one stage share one NVRTC program (the text the run-time loader compiles, with the
-    same options plus ``-ftz=true`` as CuPy adds). Raises ``RuntimeError`` with the compiler log
-    when a stage fails to compile.
+    The specs of one stage are split into ``workers`` NVRTC programs (default: one per CPU, at
+    most 8) of the text the run-time loader compiles, with the same options plus ``-ftz=true`` as
+    CuPy adds, compiled in parallel worker processes (spawned: NVRTC 12.9 crashed when two threads
+    compiled at once). One program is compiled in this process. Results come in the order of
+    ``specs``. Raises ``RuntimeError`` with the compiler log when a stage fails to compile.
     """
-    nvrtc = _nvrtc()
+    n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+    if n_workers < 1:
+        raise ValueError(f"workers: expected >= 1, got {workers}")
     by_stage: dict[str, list[KernelSpec]] = {}
     for spec in specs:
         by_stage.setdefault(spec.stage, []).append(spec)
     options = [*offline_options(arch), "--ptxas-options=-v"]
-    results: list[OfflineResult] = []
+    jobs = []
     for stage, stage_specs in by_stage.items():
-        program = nvrtc.createProgram(kernel_source(stage), f"{stage}.cu", [], [])
-        try:
-            for spec in stage_specs:
-                nvrtc.addNameExpression(program, spec.expression)
-            try:
-                nvrtc.compileProgram(program, options)
-            except nvrtc.NVRTCError as error:
-                log = nvrtc.getProgramLog(program)
-                raise RuntimeError(f"{stage}.cu failed to compile for {arch}:\n{log}") from error
-            log = nvrtc.getProgramLog(program)
-            usage = {m.group("name"): m for m in _PTXAS_USAGE.finditer(log)}
-            for spec in stage_specs:
-                lowered = nvrtc.getLoweredName(program, spec.expression)
-                m = usage.get(lowered)
-                results.append(
-                    OfflineResult(
-                        spec=spec,
-                        arch=arch,
-                        lowered_name=lowered,
-                        registers=int(m.group("regs") or 0) if m else -1,
-                        stack_bytes=int(m.group("stack")) if m else -1,
-                        spill_bytes=(int(m.group("spill_st")) + int(m.group("spill_ld")))
-                        if m
-                        else -1,
-                    )
-                )
-        finally:
-            nvrtc.destroyProgram(program)
-    return results
+        size = -(-len(stage_specs) // n_workers)
+        jobs += [(stage, stage_specs[i : i + size]) for i in range(0, len(stage_specs), size)]
+    if n_workers == 1 or len(jobs) == 1:
+        parts = [_compile_program(stage, chunk, arch, options) for stage, chunk in jobs]
+    else:
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=context) as pool:
+            futures = [pool.submit(_compile_program, st, ch, arch, options) for st, ch in jobs]
+            parts = [f.result() for f in futures]
+    by_spec = {r.spec: r for part in parts for r in part}
+    return [by_spec[spec] for spec in specs]
 
 
 def compile_all_offline(archs: Iterable[str]) -> list[OfflineResult]:

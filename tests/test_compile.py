@@ -77,6 +77,17 @@ def test_offline_compile_every_specialisation(arch: str) -> None:
             assert r.spill_bytes == 0, f"{r.spec.expression} spills {r.spill_bytes} bytes"
 
 
+def test_parallel_offline_compile_keeps_order_and_results() -> None:
+    _nvrtc_archs()
+    specs = [s for s in all_kernel_specs() if s.stage in ("finalize", "expand")][::-1]
+    serial = compile_offline(specs, "sm_90", workers=1)
+    parallel = compile_offline(specs, "sm_90", workers=3)  # 3 programs per stage, 3 processes
+    assert [r.spec for r in parallel] == specs
+    assert parallel == serial
+    with pytest.raises(ValueError, match="workers"):
+        compile_offline(specs, "sm_90", workers=0)
+
+
 def test_offline_compile_reports_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     _nvrtc_archs()
     broken = '#include "common.cuh"\ntemplate <int N> __global__ void k(float* x) { x[0] = N+; }\n'
