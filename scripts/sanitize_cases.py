@@ -65,7 +65,7 @@ def dequant_case(fmt: str, pair: bool, k: int) -> None:
     assert_equal(dequantize_ref(w, out_dtype=np.float32).view(np.uint32), out.view(cupy.uint32))
 
 
-def gemv_case(fmt: str, dtype, pair: bool, cta_n: int, n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
+def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
     """fc1 (swiglu_oai, biases) and fc2 with a forced tiling: tail N and K, multi-pass rows."""
     from cupymoe import gemv
     from cupymoe.config import GemvConfig
@@ -77,7 +77,7 @@ def gemv_case(fmt: str, dtype, pair: bool, cta_n: int, n: int, k: int, m: int) -
     down = random_fp4_experts(rng, e, n, k, fmt)
     bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
     routing = random_routing(rng, m, top_k, e)  # m tokens on 4 experts: m rows per expert
-    cfg = GemvConfig(cta_n, 128)
+    cfg = GemvConfig(*tiling)
     act = gemv.ActivationSpec("swiglu_oai")
     x = rng.standard_normal((m, k)).astype(dtype)
     w1 = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, pair_interleaved=pair)
@@ -138,13 +138,18 @@ def main() -> int:
             )
     # GEMV tilings with tails: N = 40 (not a multiple of the 16-row tile), K % 32 = 16, 12 rows
     # per expert (two passes of 8); MXFP4 with fp16 activations.
-    for cta_n in (16, 32, 64):
-        check(
-            f"gemv nvfp4 bf16 cta_n={cta_n} N=40 K=176 M=12",
-            lambda c=cta_n: gemv_case("nvfp4", BF16, c == 32, c, 40, 176, 12),
-        )
+    # Every tiling; K = 2224 also runs unchecked iterations of the 8-warp blocks.
+    from cupymoe.config import TILINGS
+
+    for tiling in TILINGS:
+        for k in (176, 2224):
+            check(
+                f"gemv nvfp4 bf16 tiling={tiling} N=40 K={k} M=12",
+                lambda t=tiling, kk=k: gemv_case("nvfp4", BF16, t[0] == 32, t, 40, kk, 12),
+            )
     check(
-        "gemv mxfp4 fp16 pair cta_n=32", lambda: gemv_case("mxfp4", np.float16, True, 32, 24, 96, 3)
+        "gemv mxfp4 fp16 pair cta_n=32",
+        lambda: gemv_case("mxfp4", np.float16, True, (32, 128), 24, 96, 3),
     )
     # Whole layers: FC1 (all three activations) and FC2 GEMVs, both formats and nibble orders,
     # biases, fp16 and bf16, the batched path above the row window.
