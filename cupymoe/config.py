@@ -64,7 +64,7 @@ BLOCKS_FOR_CTA_N: tuple[tuple[int, int], ...] = ((480, 64), (300, 32))
 #: warps instead of 4: twice the warps on the SMs of a launch that fills under half a wave.
 #: gpt-oss FC2 at M = 1 (360 blocks, K 2880), H200: 10.86 -> 9.12 µs (session 6).
 WIDE_MAX_BLOCKS = 396
-_WIDE_MIN_K = 64 * 32
+_WIDE_MIN_K = 64 * CHUNK
 _SMALLEST_CTA_N = 16
 _DEFAULT_THREADS = 128
 _WIDE_THREADS = 256
