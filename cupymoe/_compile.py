@@ -264,8 +264,9 @@ def compile_offline(
 
     The specs of one stage are split into ``workers`` NVRTC programs (default: one per CPU, at
     most 8) of the text the run-time loader compiles, with the same options plus ``-ftz=true`` as
-    CuPy adds, compiled in parallel worker processes (spawned: NVRTC 12.9 crashed when two threads
-    compiled at once). One program is compiled in this process. Results come in the order of
+    CuPy adds, compiled in parallel worker processes (spawned, not threads: nothing relies on
+    NVRTC's thread safety, and a compiler crash surfaces as an error here instead of ending this
+    process). One program is compiled in this process. Results come in the order of
     ``specs``. Raises ``RuntimeError`` with the compiler log when a stage fails to compile.
     """
     n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
