@@ -305,13 +305,16 @@ def test_route_edge_values(
 @pytest.mark.parametrize(
     ("e", "n_group", "topk_group", "k"),
     [
-        (256, 8, 4, 8),  # DeepSeek-V3: groups of 32 (one register column each)
+        (256, 8, 4, 8),  # DeepSeek-V3: groups of 32, 4 lanes of 8 experts each
         (256, 8, 1, 8),
         (256, 8, 7, 6),
-        (224, 7, 3, 8),  # groups of 32 with a padding column
+        (224, 7, 3, 8),  # groups of 32, lanes 28..31 past E
         (128, 4, 2, 6),
-        (256, 4, 2, 8),  # groups of 64: the shared-memory group scan
-        (96, 6, 5, 4),  # groups of 16
+        (256, 4, 2, 8),  # groups of 64: 8 lanes
+        (256, 32, 3, 8),  # groups of 8: one lane each
+        (96, 6, 5, 4),  # groups of 16: 4 lanes of 4 experts
+        (96, 4, 2, 4),  # groups of 24 = 6 lanes: the shared-memory group scan
+        (60, 5, 2, 4),  # groups of 12 = 3 lanes: the shared-memory group scan
     ],
 )
 @pytest.mark.parametrize("m", [1, 4, 9, 40])
@@ -353,6 +356,22 @@ def test_route_deterministic_and_strided(m: int, rng: np.random.Generator) -> No
             assert np.array_equal(
                 getattr(first, name).get().view(np.int32), getattr(again, name).get().view(np.int32)
             )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
+@pytest.mark.parametrize(("e", "k"), [(256, 8), (250, 8), (64, 2)])
+def test_route_unaligned_rows(
+    method: RoutingMethod, dtype: type, e: int, k: int, rng: np.random.Generator
+) -> None:
+    # Rows that start 1 element past a 16-byte boundary, and E not a multiple of a lane's run of
+    # experts (250): the lanes read their runs with scalar loads instead of vector loads.
+    router = _router(method, e, k)
+    for m in (1, 5):
+        x = _logits("ties", m, e + 3, dtype, rng)
+        xd = _device(x)[:, 1 : e + 1]
+        _check_routing(route_ref(np.ascontiguousarray(x[:, 1 : e + 1]), router), route(xd, router))
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """CPU transcription of the fused routing launch's warp algorithms (cupymoe/cuda/routing.cu),
 checked against the NumPy reference: the sorting networks (read from the kernel source), the
-top-k in rounds of two warp reductions over 32 sorted lanes, the top-2 of a group held in one
-register column, and the one-warp expert maps (8 buckets per lane, a packed lane scan).
+top-k in rounds of two warp reductions over 32 sorted lanes, the top-2 of a group of whole lanes
+(a butterfly), and the one-warp expert maps (8 buckets per lane, a packed lane scan).
 
 The GPU tests compare the kernels themselves with the reference; these tests pin the algorithms
 down on the CPU, tie rules included, so that a change to the design is checked in CI too."""
@@ -60,13 +60,13 @@ def test_sorting_network_sorts_every_01_input(n: int) -> None:
 
 
 def _lane_keys(high: np.ndarray, kn: int) -> list[list[int]]:
-    """Lane l's keys (expert = l + 32 j): high word = score order, low word = ~expert."""
+    """Lane l's keys (expert = kn l + j): high word = score order, low word = ~expert."""
     e = high.size
     lanes = []
     for lane in range(LANES):
         keys = []
         for j in range(kn):
-            x = lane + LANES * j
+            x = kn * lane + j
             keys.append((int(high[x]) << 32) | (MASK32 - x) if x < e else 0)
         lanes.append(keys)
     return lanes
@@ -120,28 +120,62 @@ def _f32_from_order(o: int) -> np.float32:
     return np.array([u], np.uint32).view(np.float32)[0]
 
 
-def _groups_by_column(choice: np.ndarray, n_group: int, topk_group: int) -> list[bool]:
-    """Transcription of rt::groups_by_column (groups of 32 = register columns)."""
-    gorder = []
-    for g in range(n_group):
-        o = [int(v) for v in _order_bits(choice[32 * g : 32 * g + 32])]
-        m1 = max(o)
-        rest = max(v if v != m1 else 0 for v in o)
-        m2 = m1 if o.count(m1) > 1 else rest
-        total = np.float32(_f32_from_order(m1) + _f32_from_order(m2))
-        gorder.append(int(_order_bits(np.array([total], np.float32))[0]))
+def _groups_by_lanes(choice: np.ndarray, n_group: int, topk_group: int, kn: int) -> list[bool]:
+    """Transcription of rt::groups_by_lanes: lane l holds experts kn l .. kn l + kn - 1, a group is
+    L = group_size / kn lanes; each lane's top-2 (max / min), then a butterfly over the L lanes."""
+    e = choice.size
+    lanes_per_group = e // n_group // kn
+    assert e // n_group % kn == 0 and lanes_per_group & (lanes_per_group - 1) == 0
+    padded = np.full(LANES * kn, -np.inf, np.float32)  # lanes past E hold -inf
+    padded[:e] = choice
+    o = [int(v) for v in _order_bits(padded)]
+    o1 = [o[kn * lane] for lane in range(LANES)]
+    o2 = [0] * LANES
+    for lane in range(LANES):
+        for v in o[kn * lane + 1 : kn * lane + kn]:
+            o2[lane] = max(o2[lane], min(o1[lane], v))
+            o1[lane] = max(o1[lane], v)
+    s = 1
+    while s < lanes_per_group:
+        p1 = [o1[lane ^ s] for lane in range(LANES)]
+        p2 = [o2[lane ^ s] for lane in range(LANES)]
+        o2 = [max(o2[i], p2[i], min(o1[i], p1[i])) for i in range(LANES)]
+        o1 = [max(o1[i], p1[i]) for i in range(LANES)]
+        s <<= 1
+    mine = []
+    for lane in range(LANES):
+        total = np.float32(_f32_from_order(o1[lane]) + _f32_from_order(o2[lane]))
+        mine.append(int(_order_bits(np.array([total], np.float32))[0]))
     kept = []
     for g in range(n_group):
-        rank = sum(h > gorder[g] or (h == gorder[g] and i < g) for i, h in enumerate(gorder))
+        lane = g * lanes_per_group
+        scores = [mine[h * lanes_per_group] for h in range(n_group)]
+        rank = sum(v > mine[lane] or (v == mine[lane] and h < g) for h, v in enumerate(scores))
         kept.append(rank < topk_group)
     return kept
 
 
 @pytest.mark.parametrize("kind", ["random", "ties", "equal", "nan"])
-@pytest.mark.parametrize(("n_group", "topk_group"), [(8, 4), (8, 1), (7, 3), (2, 1)])
-def test_groups_by_column_match_reference(kind: str, n_group: int, topk_group: int) -> None:
-    e, k = 32 * n_group, 4
-    rng = np.random.default_rng(n_group * 10 + topk_group)
+@pytest.mark.parametrize(
+    ("e", "n_group", "topk_group", "k"),
+    [
+        (256, 8, 4, 8),  # DeepSeek-V3: 4 lanes per group
+        (256, 8, 1, 8),
+        (256, 16, 4, 8),  # 2 lanes per group
+        (256, 32, 3, 8),  # groups of 8: one lane each
+        (256, 4, 2, 8),  # 8 lanes per group
+        (96, 3, 1, 4),  # 3 groups of 8 lanes, lanes 24..31 past E
+        (64, 2, 1, 2),  # 16 lanes per group
+        (48, 24, 5, 2),  # groups of 2 on one lane each
+        (32, 16, 8, 1),  # one expert per lane: groups of two lanes
+    ],
+)
+def test_groups_by_lanes_match_reference(
+    kind: str, e: int, n_group: int, topk_group: int, k: int
+) -> None:
+    kn = _warp_keys(e, k)
+    group_size = e // n_group
+    rng = np.random.default_rng(e * 1000 + n_group * 10 + topk_group)
     for _ in range(10):
         x = _scores(kind, e, rng)
         bias = np.round(rng.standard_normal(e) * 8).astype(np.float32) / 64
@@ -157,13 +191,15 @@ def test_groups_by_column_match_reference(kind: str, n_group: int, topk_group: i
         with np.errstate(invalid="ignore"):
             c = (sigmoid_f32(x) + bias).astype(np.float32)
         c[np.isnan(x)] = -np.inf
-        kept = _groups_by_column(c, n_group, topk_group)
+        kept = _groups_by_lanes(c, n_group, topk_group, kn)
         ids = route_ref(x[None, :], router).topk_ids[0]
-        assert all(kept[i // 32] for i in ids)  # the reference only picks from kept groups
+        assert all(kept[i // group_size] for i in ids)  # the reference only picks kept groups
         # and the kept groups are exactly those holding the reference's best choices
-        high = np.where(np.repeat(kept, 32), _order_bits(c), 0)
-        high[np.isnan(x) & np.repeat(kept, 32)] = 1
+        kept_e = np.repeat(kept, group_size)
+        high = np.where(kept_e, _order_bits(c), 0)
+        high[np.isnan(x) & kept_e] = 1
         assert _top_k_by_key(high[None, :], k)[0].tolist() == ids.tolist()
+        assert sum(kept) == topk_group
 
 
 def _maps_warp(ids: np.ndarray, e: int) -> tuple[np.ndarray, ...]:

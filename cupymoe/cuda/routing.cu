@@ -46,42 +46,74 @@ __device__ __forceinline__ float f_rcp(float a) {  // correctly rounded 1 / a (=
     asm("rcp.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
     return r;
 }
-__device__ __forceinline__ float f_rint(float a) {
-    float r;
-    asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a));
-    return r;
-}
 
 // exp(t) for t in [-150, 150]: Cody-Waite reduction + Cephes polynomial, each step one rounded
 // fp32 operation. The constants are given by their bits; routing.py mirrors this function.
-__device__ __forceinline__ float exp_defined(float t) {
+// N values at once, each step for all N before the next (ptxas still overlaps only about two of
+// the dependent chains of ~25 operations: ~900 cycles for 8 values on one warp, H200).
+template <int N> __device__ __forceinline__ void exp_defined(const float (&t)[N], float (&out)[N]) {
+    constexpr uint32_t kPoly[6] = {0x39506967u,   // 1.9875691500e-4
+                                   0x3AB743CEu,   // 1.3981999507e-3
+                                   0x3C088908u,   // 8.3334519073e-3
+                                   0x3D2AA9C1u,   // 4.1665795894e-2
+                                   0x3E2AAAAAu,   // 1.6666665459e-1
+                                   0x3F000000u};  // 5.0000001201e-1
     const float kLog2e = __uint_as_float(0x3FB8AA3Bu);
     const float kLn2Hi = __uint_as_float(0x3F317200u);  // 15 significant bits: n * kLn2Hi exact
     const float kLn2Lo = __uint_as_float(0x35BFBE8Eu);
-    const float n = f_rint(f_mul(t, kLog2e));
-    float r = f_sub(t, f_mul(n, kLn2Hi));
-    r = f_sub(r, f_mul(n, kLn2Lo));
-    float p = __uint_as_float(0x39506967u);  // 1.9875691500e-4
-    p = f_add(f_mul(p, r), __uint_as_float(0x3AB743CEu));  // 1.3981999507e-3
-    p = f_add(f_mul(p, r), __uint_as_float(0x3C088908u));  // 8.3334519073e-3
-    p = f_add(f_mul(p, r), __uint_as_float(0x3D2AA9C1u));  // 4.1665795894e-2
-    p = f_add(f_mul(p, r), __uint_as_float(0x3E2AAAAAu));  // 1.6666665459e-1
-    p = f_add(f_mul(p, r), __uint_as_float(0x3F000000u));  // 5.0000001201e-1
-    p = f_add(f_add(f_mul(p, f_mul(r, r)), r), 1.0f);
-    const int ni = (int)n;  // |n| <= 217
-    const int n1 = ni >> 1;
-    const int n2 = ni - n1;
-    return f_mul(f_mul(p, __int_as_float((n1 + 127) << 23)), __int_as_float((n2 + 127) << 23));
+    // n = rint(t log2e) by the round-to-nearest-even of adding 1.5 * 2^23 (|t log2e| <= 217), and
+    // its integer from the sum's low mantissa bits: two adds and an integer subtract instead of
+    // FRND and F2I, which issue at a quarter of the rate and wait longer.
+    const float kRound = __uint_as_float(0x4B400000u);  // 1.5 * 2^23
+    float n[N], r[N], p[N];
+    int ni[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const float big = f_add(f_mul(t[j], kLog2e), kRound);
+        n[j] = f_sub(big, kRound);
+        ni[j] = (int)(__float_as_uint(big) - 0x4B400000u);
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = f_sub(t[j], f_mul(n[j], kLn2Hi));
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = f_sub(r[j], f_mul(n[j], kLn2Lo));
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = __uint_as_float(kPoly[0]);
+#pragma unroll
+    for (int c = 1; c < 6; ++c) {
+#pragma unroll
+        for (int j = 0; j < N; ++j) p[j] = f_add(f_mul(p[j], r[j]), __uint_as_float(kPoly[c]));
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = f_add(f_add(f_mul(p[j], f_mul(r[j], r[j])), r[j]), 1.0f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const int n1 = ni[j] >> 1;  // |n| <= 217: 2^n as two normal factors
+        const int n2 = ni[j] - n1;
+        out[j] = f_mul(f_mul(p[j], __int_as_float((n1 + 127) << 23)), __int_as_float((n2 + 127) << 23));
+    }
 }
 
 // sigmoid(x) = 1 / (1 + exp(-x)), x not NaN; -x clamped to [-150, 150] (exp is 0 / inf beyond).
-__device__ __forceinline__ float sigmoid_denominator(float x) {
-    float t = -x;
-    t = t < -150.0f ? -150.0f : t;
-    t = t > 150.0f ? 150.0f : t;
-    return f_add(1.0f, exp_defined(t));
+template <int N>
+__device__ __forceinline__ void sigmoid_denominators(const float (&x)[N], float (&den)[N]) {
+    float t[N];
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        t[j] = -x[j];
+        t[j] = t[j] < -150.0f ? -150.0f : t[j];
+        t[j] = t[j] > 150.0f ? 150.0f : t[j];
+    }
+    exp_defined<N>(t, den);
+#pragma unroll
+    for (int j = 0; j < N; ++j) den[j] = f_add(1.0f, den[j]);
 }
-__device__ __forceinline__ float sigmoid_defined(float x) { return f_rcp(sigmoid_denominator(x)); }
+__device__ __forceinline__ float sigmoid_defined(float x) {
+    const float v[1] = {x};
+    float den[1];
+    sigmoid_denominators<1>(v, den);
+    return f_rcp(den[0]);
+}
 
 // rcp.rn's own fast path without its range branch (so that independent reciprocals interleave):
 // the approximate reciprocal and one Newton step in fma, correctly rounded -- bit for bit what
@@ -218,36 +250,88 @@ __device__ __forceinline__ void select_groups(const float* choice, float* gscore
     if (block_sync) __syncthreads(); else __syncwarp();
 }
 
-// Groups of exactly 32 experts on the warp layout (expert = lane + 32 * j): group j is register
-// column j, so its top-2 is two warp reductions and no shared memory is touched. Same scores,
-// ranks and ties as select_groups; returns bit g = group g is kept (n_group <= N).
+// Groups of whole lanes on the warp layout (lane l holds experts kN l .. kN l + kN - 1): a group
+// of size kN * L, L a power of two, is lanes g L .. g L + L - 1. Its top-2 is each lane's own
+// top-2 then log2(L) butterfly steps (no shared memory, no warp reduction); one shuffle per group
+// gathers the group scores. Same scores, ranks and ties as select_groups; returns whether this
+// lane's group is kept.
 template <int N>
-__device__ __forceinline__ uint32_t groups_by_column(const float (&choice)[N], int n_group,
-                                                     int topk_group, int lane) {
-    uint32_t gorder[N];
+__device__ __forceinline__ bool groups_by_lanes(const float (&choice)[N], int n_group,
+                                                int topk_group, int lanes_per_group, int lane) {
+    // choice is never NaN (NaN logits, and lanes past E, enter as -inf): order_bits is non-zero
+    // and invertible. Groups hold >= 2 experts (Router), so o2 ends as a real runner-up.
+    uint32_t o1 = order_bits(choice[0]), o2 = 0u;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        // choice is never NaN (NaN logits enter as -inf): order_bits is non-zero, invertible.
+    for (int j = 1; j < N; ++j) {
         const uint32_t o = order_bits(choice[j]);
-        const uint32_t m1 = __reduce_max_sync(kFull, o);
-        const unsigned at_m1 = __ballot_sync(kFull, o == m1);
-        const uint32_t rest = __reduce_max_sync(kFull, o == m1 ? 0u : o);
-        const uint32_t m2 = (at_m1 & (at_m1 - 1u)) ? m1 : rest;  // m1 twice, or the runner-up
-        gorder[j] = order_bits(f_add(from_order_bits(m1), from_order_bits(m2)));
+        o2 = max(o2, min(o1, o));
+        o1 = max(o1, o);
     }
-    uint32_t mine = 0;
-#pragma unroll
-    for (int j = 0; j < N; ++j) mine = j == lane ? gorder[j] : mine;
+    for (int s = 1; s < lanes_per_group; s <<= 1) {  // warp-uniform
+        const uint32_t p1 = __shfl_xor_sync(kFull, o1, s), p2 = __shfl_xor_sync(kFull, o2, s);
+        o2 = max(max(o2, p2), min(o1, p1));
+        o1 = max(o1, p1);
+    }
+    const uint32_t mine = order_bits(f_add(from_order_bits(o1), from_order_bits(o2)));
+    const int g = lane / lanes_per_group;
     int rank = 0;
+    for (int h = 0; h < n_group; ++h) {  // warp-uniform
+        const uint32_t o = __shfl_sync(kFull, mine, h * lanes_per_group);
+        rank += (o > mine) || (o == mine && h < g);
+    }
+    return g < n_group && rank < topk_group;
+}
+
+// ---- a lane's run of kN consecutive values as floats --------------------------------------------
+__device__ __forceinline__ float word_to_float(uint32_t w, int half, float) {
+    (void)half;
+    return __uint_as_float(w);
+}
+__device__ __forceinline__ float word_to_float(uint32_t w, int half, __half) {
+    return __half2float(__ushort_as_half((unsigned short)(w >> (16 * half))));
+}
+__device__ __forceinline__ float word_to_float(uint32_t w, int half, __nv_bfloat16) {
+    return __bfloat162float(__ushort_as_bfloat16((unsigned short)(w >> (16 * half))));
+}
+// v[j] = p[first + j] for first + j < E, else `fill`. A run that lies inside E and is aligned to
+// its size (at most 16 bytes) is read with as few vector loads as it takes (fp32 kN = 8: two),
+// which ptxas issues up front; the lane-strided scalar loads they replace were scheduled next to
+// their first use, exposing their latency after the sigmoids.
+template <typename T, int kN>
+__device__ __forceinline__ void load_run(const T* __restrict__ p, int first, int E, float fill,
+                                         float (&v)[kN]) {
+    constexpr int kBytes = kN * (int)sizeof(T);
+    constexpr int kPiece = kBytes < 16 ? kBytes : 16;
+    constexpr int kPer = 32 / (8 * (int)sizeof(T));  // values per 32-bit word: 1 or 2
+    if constexpr (kPiece >= 4) {
+        const T* run = p + first;
+        if (first + kN <= E && ((unsigned long long)run & (kPiece - 1)) == 0) {
+            uint32_t w[kBytes / 4];
 #pragma unroll
-    for (int j = 0; j < N; ++j)
-        rank += j < n_group && (gorder[j] > mine || (gorder[j] == mine && j < lane));
-    return __ballot_sync(kFull, lane < n_group && rank < topk_group);
+            for (int i = 0; i < kBytes / kPiece; ++i) {
+                if constexpr (kPiece == 16) {
+                    const uint4 q = __ldg(reinterpret_cast<const uint4*>(run) + i);
+                    w[4 * i] = q.x, w[4 * i + 1] = q.y, w[4 * i + 2] = q.z, w[4 * i + 3] = q.w;
+                } else if constexpr (kPiece == 8) {
+                    const uint2 q = __ldg(reinterpret_cast<const uint2*>(run) + i);
+                    w[2 * i] = q.x, w[2 * i + 1] = q.y;
+                } else {
+                    w[i] = __ldg(reinterpret_cast<const unsigned int*>(run) + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kN; ++j) v[j] = word_to_float(w[j / kPer], j % kPer, T());
+            return;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kN; ++j) v[j] = first + j < E ? cm::to_float(p[first + j]) : fill;
 }
 
 // ---- one token on one warp (E <= 32 * kN <= 256, k <= kN) ------------------------------------
-// select_token_warp: the top-k; lane i < k gets slot i's key. val / sig keep what the weights need
-// (weigh_token_warp). `scratch` (kMethod 2, groups not of 32): 512 floats per warp.
+// Lane l holds experts kN l + j, j < kN. select_token_warp: the top-k; lane i < k gets slot i's
+// key. val / sig keep what the weights need (weigh_token_warp). `scratch` (kMethod 2, groups that
+// are not whole lanes, a power of two of them): 512 floats per warp.
 template <typename T, int kMethod, int kN>
 __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row, int E, int k,
                                                       int n_group, int topk_group,
@@ -255,22 +339,20 @@ __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row,
                                                       float* scratch, int lane, float (&val)[kN],
                                                       float (&sig)[kN], uint32_t& top) {
     uint64_t key[kN];
-#pragma unroll
-    for (int j = 0; j < kN; ++j) {  // every load of the token issued before any use
-        const int e = lane + 32 * j;
-        val[j] = e < E ? cm::to_float(row[e]) : __int_as_float(0x7fc00000);
-        if constexpr (kMethod == 2) sig[j] = e < E ? bias[e] : 0.0f;
-    }
+    const int first = lane * kN;
+    load_run<T, kN>(row, first, E, __int_as_float(0x7fc00000), val);
+    if constexpr (kMethod == 2) load_run<float, kN>(bias, first, E, 0.0f, sig);
     if constexpr (kMethod == 2) {
         const bool grouped = n_group > 1 && topk_group < n_group;
         const int group_size = E / n_group;
+        const int lanes_per_group = group_size / kN;
+        const bool by_lanes = group_size % kN == 0 && (lanes_per_group & (lanes_per_group - 1)) == 0;
         float den[kN];
+        sigmoid_denominators<kN>(val, den);  // branch-free; a NaN logit computes garbage, unused
         bool slow = false;
 #pragma unroll
-        for (int j = 0; j < kN; ++j) {  // branch-free; a NaN logit computes garbage, selected away
-            den[j] = sigmoid_denominator(val[j]);
+        for (int j = 0; j < kN; ++j)
             slow |= __float_as_uint(den[j]) >= kRcpFastLimit;  // den >= 1: bits order as values
-        }
         float s[kN];
 #pragma unroll
         for (int j = 0; j < kN; ++j) s[j] = rcp_rn_fast(den[j]);
@@ -286,10 +368,9 @@ __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row,
             sig[j] = nan ? 0.0f : s[j];
             val[j] = nan ? RT_NEG_INF : f_add(s[j], b);
         }
-        uint32_t kept = ~0u;  // bit j: column j's experts may be chosen (group_size 32)
-        const int* flag = nullptr;
-        if (grouped && group_size == 32) {
-            kept = groups_by_column<kN>(val, n_group, topk_group, lane);
+        uint32_t kept = ~0u;  // bit j: expert first + j may be chosen
+        if (grouped && by_lanes) {
+            kept = groups_by_lanes<kN>(val, n_group, topk_group, lanes_per_group, lane) ? ~0u : 0u;
         } else if (grouped) {
             float* choice = scratch;
             float* gscore = scratch + kMaxWarpExperts;
@@ -297,25 +378,29 @@ __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row,
             __syncwarp();  // the previous token's readers are done with the scratch
 #pragma unroll
             for (int j = 0; j < kN; ++j) {
-                const int e = lane + 32 * j;
+                const int e = first + j;
                 if (e < E) choice[e] = val[j];
             }
             __syncwarp();
             select_groups(choice, gscore, flags, n_group, topk_group, group_size, lane, 32, false);
-            flag = flags;
+            kept = 0u;
+#pragma unroll
+            for (int j = 0; j < kN; ++j) {
+                const int e = first + j;
+                kept |= (e < E && flags[e / group_size] ? 1u : 0u) << j;
+            }
         }
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
-            const int e = lane + 32 * j;
-            const bool ok =
-                e < E && ((kept >> j) & 1u) && (flag == nullptr || flag[e / group_size]);
+            const int e = first + j;
+            const bool ok = e < E && ((kept >> j) & 1u);
             const uint32_t high = val[j] == RT_NEG_INF ? 1u : order_bits(val[j]);
             key[j] = ok ? make_key(high, e) : 0ull;
         }
     } else {
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
-            const int e = lane + 32 * j;
+            const int e = first + j;
             key[j] = e < E ? make_key(order_bits(val[j]), e) : 0ull;
         }
     }
@@ -332,7 +417,7 @@ __device__ __forceinline__ float weigh_token_warp(uint64_t mine, uint32_t top,
     float out_weight;
     if constexpr (kMethod == 2) {
         // The chosen expert's sigmoid from the lane that holds it (no reload, no recompute).
-        const int src = out_id & 31, col = out_id >> 5;
+        const int src = (out_id / kN) & 31, col = out_id % kN;
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < kN; ++j) {
