@@ -805,6 +805,7 @@ def fc2(
         ),
     )
     active = routing.active_experts
+    dependent = pdl and pdl_enabled()  # the pre-wait prefetch only in a programmatic launch
     launch(
         spec,
         (_blocks(w.n, 16, cfg), int(active.shape[0])),
@@ -823,9 +824,9 @@ def fc2(
             np.int32(w.k),
             np.int32(_chunks(w.k)),
             np.int32(shift),
-            np.int32(pdl and pdl_enabled()),  # dependent: prefetch before the wait
+            np.int32(dependent),
         ),
-        pdl=pdl,
+        pdl=dependent,
     )
     return out
 

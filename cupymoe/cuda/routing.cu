@@ -128,11 +128,13 @@ __device__ __forceinline__ float rcp_rn_fast(float y) {
     return out;
 }
 
+// Branch-free (selects and one xor): with early returns ptxas gave every call of an unrolled
+// loop its own divergent branch region (BSSY / BSYNC), about 40 cycles each on one warp.
 __device__ __forceinline__ uint32_t order_bits(float v) {
-    if (v != v) return 0u;  // NaN ranks below every number
     uint32_t u = __float_as_uint(v);
-    if (u == 0x80000000u) u = 0u;  // -0 == +0
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    u = u == 0x80000000u ? 0u : u;                                   // -0 == +0
+    const uint32_t flip = (uint32_t)((int)u >> 31) | 0x80000000u;  // negative: ~u; else u | sign
+    return v != v ? 0u : u ^ flip;                                   // NaN below every number
 }
 __device__ __forceinline__ float from_order_bits(uint32_t h) {  // h != 0
     return __uint_as_float((h & 0x80000000u) ? (h & 0x7fffffffu) : ~h);
@@ -394,7 +396,8 @@ __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row,
         for (int j = 0; j < kN; ++j) {
             const int e = first + j;
             const bool ok = e < E && ((kept >> j) & 1u);
-            const uint32_t high = val[j] == RT_NEG_INF ? 1u : order_bits(val[j]);
+            const uint32_t ob = order_bits(val[j]);  // both sides computed: a select
+            const uint32_t high = val[j] == RT_NEG_INF ? 1u : ob;
             key[j] = ok ? make_key(high, e) : 0ull;
         }
     } else {
