@@ -262,6 +262,40 @@ def _table_value(fmt: str, dtype: np.dtype, byte: np.ndarray, shift: int) -> np.
         return v.astype(dtype).astype(np.float64)
 
 
+def _e4m3_table_bits(b: int, dtype: np.dtype, shift: int) -> int:
+    """Transcription of scale_bits<0, T> (gemv_fp4.cu): E4M3 byte b times 2^shift as T's bits,
+    built from integers."""
+    bias, mant = (127, 7) if dtype == BF16 else (15, 10)
+    if b & 0x7F == 0x7F:
+        return -1  # NaN: the kernel converts a NaN (checked below as a NaN pattern)
+    sign = (b & 0x80) << 8
+    e, m = (b >> 3) & 15, b & 7
+    if e == 0 and m == 0:
+        return sign
+    p = m.bit_length() - 1  # 31 - clz(m)
+    x = e - 7 if e else p - 9
+    f = m if e else (m << (3 - p)) & 7
+    return sign | ((x + shift + bias) << mant) | (f << (mant - 3))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shift"), [(np.dtype(np.float16), 0), (BF16, 0), (BF16, 116)], ids=str
+)
+def test_e4m3_table_bits_from_integers(dtype: np.dtype, shift: int) -> None:
+    # The NVFP4 scale table is built with integer operations; every byte's bits must be those of
+    # the exact value scale * 2^shift rounded to T (exact: all of them are normal numbers of T).
+    from cupymoe.formats import Fp4Format
+
+    values = Fp4Format.NVFP4.decode_scales(np.arange(256, dtype=np.uint8)).astype(np.float64)
+    want = (values * 2.0**shift).astype(dtype).view(np.uint16)
+    for b in range(256):
+        got = _e4m3_table_bits(b, dtype, shift)
+        if got < 0:
+            assert np.isnan(values[b])
+        else:
+            assert got == int(want[b]), (b, hex(got), hex(int(want[b])))
+
+
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
