@@ -36,11 +36,13 @@ def check(name: str, fn) -> None:  # type: ignore[no-untyped-def]
         print(f"FAIL  {name}: {str(error).splitlines()[0]}", flush=True)
 
 
-def routing_case(m: int, e: int, k: int, method: str, **kw) -> None:  # type: ignore[no-untyped-def]
+def routing_case(m: int, e: int, k: int, method: str, offset: int = 0, **kw) -> None:  # type: ignore[no-untyped-def]
+    """``offset``: rows start that many elements into a wider buffer (unaligned lane runs)."""
     rng = np.random.default_rng(m * 1000 + e + k)
-    logits = rng.standard_normal((m, e)).astype(np.float32)
+    buf = rng.standard_normal((m, e + offset)).astype(np.float32)
+    logits = np.ascontiguousarray(buf[:, offset:])
     router = Router(n_experts=e, top_k=k, method=cm.RoutingMethod(method), **kw)
-    ref, out = route_ref(logits, router), route(cupy.asarray(logits), router)
+    ref, out = route_ref(logits, router), route(cupy.asarray(buf)[:, offset:], router)
     for field in ("topk_ids", "expert_offsets", "sorted_rows", "inverse", "active_experts"):
         assert_equal(getattr(ref, field), getattr(out, field), name=field)
     assert_close(ref.topk_weights, out.topk_weights, max_rel=2e-6, rms_rel=2e-6)
@@ -120,6 +122,10 @@ def main() -> int:
             topk_group=4,
             correction_bias=np.linspace(-0.1, 0.1, 256, dtype=np.float32),
         ),
+    )
+    check(
+        "route grouped M=5 E=250 k=8, rows 1 element off 16 bytes",
+        lambda: routing_case(5, 250, 8, "sigmoid_grouped", offset=1, n_group=2, topk_group=1),
     )
     check(
         f"route block M=3 E={GPU_MAX_EXPERTS} k=64",
