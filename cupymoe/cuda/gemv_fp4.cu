@@ -10,7 +10,9 @@
 //
 // Expert-major schedule. grid = (column tiles, expert slots); a block reads e = active[slot]
 // (exit when -1) and applies every weight tile it decodes to the rows of expert e, 8 rows per pass,
-// so an expert's weights cross HBM once per call however many tokens chose it.
+// so an expert's weights cross HBM once per call however many tokens chose it. The first
+// iteration's weights need only e: they are requested as soon as e is known (FC2: before the
+// programmatic wait for FC1), while the expert's rows and tokens are still on their way.
 //
 // Tensor cores: mma.sync m16n8k16 with A = 16 weight rows x 16 codes (decoded and block-scaled in
 // 16 bits, exactly), B = 16 codes x 8 activation rows, fp32 accumulators. A block of kThreads
@@ -279,6 +281,9 @@ struct KLoop {
     static constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
     static constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g, g + 8: 4 (NVFP4), 2 (MXFP4)
     static constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
+    // The first iteration's weights load as soon as the expert is known (not in the plain order,
+    // whose longer decode leaves no registers for them: 8-28 bytes of spills at sm_90).
+    static constexpr bool kPreload = kOrder != kPlain;
     static constexpr int kStep = kWarps * 4;                 // chunks per step of the block
 
     // An address is a block-uniform 64-bit base, advanced once per iteration, plus a loop-invariant
@@ -290,13 +295,27 @@ struct KLoop {
     const T* xp;              // activation row g at the current iteration
     float acc[kTiles][4];
 
-    // kChecked: chunk c = first + u * kStep exists only if c < chunks, x element k0 only if
-    // k0 < k; the rest read as zeros (an mma needs the whole warp, so lanes past K take part).
-    template <bool kChecked>
-    __device__ __forceinline__ void iteration(const uint32_t* table, int first, int chunks, int k) {
+    // The weight and scale registers of one iteration, and its activations.
+    struct Frag {
         uint4 wv[kUnroll][kTiles][2];
         uint32_t sv[kUnroll][kTiles];
-        uint4 xv[kUnroll][4];
+    };
+    using XFrag = uint4[kUnroll][4];
+
+    // One iteration: every load issued before the first decode.
+    template <bool kChecked>
+    __device__ __forceinline__ void iteration(const uint32_t* table, int first, int chunks, int k) {
+        Frag f;
+        XFrag xv;
+        load<kChecked>(f, first, chunks);
+        load_x<kChecked>(xv, first, chunks, k);
+        compute(f, xv, table);
+    }
+
+    // The weights and scale bytes of one iteration; kChecked: chunk c = first + u * kStep exists
+    // only if c < chunks, the rest read as zeros.
+    template <bool kChecked>
+    __device__ __forceinline__ void load(Frag& f, int first, int chunks) const {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
             const int c = first + u * kStep;
@@ -305,15 +324,26 @@ struct KLoop {
             for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
-                    wv[u][m][h] = live ? load_weights(wbase[h] + woff[m][h] + u * kStep * kChunkStride)
-                                       : make_uint4(0u, 0u, 0u, 0u);
+                    f.wv[u][m][h] = live ? load_weights(wbase[h] + woff[m][h] + u * kStep * kChunkStride)
+                                         : make_uint4(0u, 0u, 0u, 0u);
                 const uint8_t* s = sbase + soff[m] + u * kStep * 8 * kScaleBytes;
                 if constexpr (kScaleBytes == 4) {
-                    sv[u][m] = live ? __ldg(reinterpret_cast<const uint32_t*>(s)) : 0u;
+                    f.sv[u][m] = live ? __ldg(reinterpret_cast<const uint32_t*>(s)) : 0u;
                 } else {
-                    sv[u][m] = live ? __ldg(reinterpret_cast<const uint16_t*>(s)) : 0u;
+                    f.sv[u][m] = live ? __ldg(reinterpret_cast<const uint16_t*>(s)) : 0u;
                 }
             }
+        }
+    }
+
+    // The activations of one iteration; kChecked: x element k0 exists only if k0 < k (an mma
+    // needs the whole warp, so lanes past K take part with zeros).
+    template <bool kChecked>
+    __device__ __forceinline__ void load_x(XFrag& xv, int first, int chunks, int k) const {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int c = first + u * kStep;
+            const bool live = !kChecked || c < chunks;
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const bool in_k = !kChecked || (live && c * kChunk + 8 * q < k);
@@ -321,21 +351,25 @@ struct KLoop {
                                 : make_uint4(0u, 0u, 0u, 0u);
             }
         }
+    }
+
+    // The decodes and mmas of one iteration, then the pointers move to the next one.
+    __device__ __forceinline__ void compute(const Frag& f, const XFrag& xv, const uint32_t* table) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
 #pragma unroll
                 for (int m = 0; m < kTiles; ++m) {
-                    const uint32_t w0[4] = {wv[u][m][0].x, wv[u][m][0].y, wv[u][m][0].z,
-                                            wv[u][m][0].w};
-                    const uint32_t w1[4] = {wv[u][m][1].x, wv[u][m][1].y, wv[u][m][1].z,
-                                            wv[u][m][1].w};
+                    const uint32_t w0[4] = {f.wv[u][m][0].x, f.wv[u][m][0].y, f.wv[u][m][0].z,
+                                            f.wv[u][m][0].w};
+                    const uint32_t w1[4] = {f.wv[u][m][1].x, f.wv[u][m][1].y, f.wv[u][m][1].z,
+                                            f.wv[u][m][1].w};
                     // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
                     const int b0 = kScaleBytes == 4 ? q / 2 : 0;
                     // (prmt moves the byte down and clears the rest: one instruction.)
-                    const uint32_t s0 = table[prmt(sv[u][m], 0u, 0x4440u + b0)];
-                    const uint32_t s1 = table[prmt(sv[u][m], 0u, 0x4440u + b0 + kScaleBytes / 2)];
+                    const uint32_t s0 = table[prmt(f.sv[u][m], 0u, 0x4440u + b0)];
+                    const uint32_t s1 = table[prmt(f.sv[u][m], 0u, 0x4440u + b0 + kScaleBytes / 2)];
                     uint32_t h0[4], h1[4];
                     Dec::run(w0[q], h0);
                     Dec::run(w1[q], h1);
@@ -352,7 +386,6 @@ struct KLoop {
                 }
             }
         }
-        // Next iteration.
         wbase[0] += kUnroll * kStep * kChunkStride;
         wbase[1] += kUnroll * kStep * kChunkStride;
         sbase += kUnroll * kStep * 8 * kScaleBytes;
@@ -376,7 +409,7 @@ struct Params {
     void* out;                  // [rows, n] of T, expanded order
     int n_experts, n, k, chunks, top_k, scale_shift;
     float alpha, limit;
-    int dependent;  // FC2 launched as a programmatic dependent of FC1 (prefetch before the wait)
+    int dependent;  // FC2 launched as a programmatic dependent of FC1 (plain order: L2 prefetch)
 };
 
 // kAct 0 = FC2 (m-tile = 16 output columns); 1..3 = FC1 (m-tile = 8 columns x gate, up).
@@ -465,43 +498,85 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
                          (kChunk / 2)
                    : wrow[m][h] * (uint32_t)row_bytes + lane_chunk * (kChunk / 2);
     };
-    if constexpr (!kGated) {
-        // As a programmatic dependent of FC1, FC2 asks the L2 for its first weight chunks before
-        // the wait: they arrive while FC1 finishes. (Right before the loads, on an ordinary
-        // launch, the same requests only cost: Qwen FC2 at M = 4, one iteration, +10 %.)
-        if (p.dependent && lane_chunk < p.chunks) {
-#pragma unroll
-            for (int m = 0; m < kTiles; ++m) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) prefetch_l2(wbase0 + lane_woff(m, h));
-            }
-        }
-        cm::wait_upstream();  // x is FC1's output
-    }
-    for (int r0 = row_begin; r0 < row_end; r0 += 8) {
-        // This lane's activation row (B column g): FC1 reads x in token order. A lane past the
-        // expert's last row reads the pass's first row, the address lane g = 0 loads (one L1
-        // broadcast instead of a second row in the same bank groups): B column g only feeds the
-        // sums of activation row g, which are then never stored.
-        const int row = r0 + g < row_end ? r0 + g : r0;
-        const int src = p.row_source ? p.row_source[row] / p.top_k : row;
-
-        Loop loop;
-        loop.wbase[0] = wbase0;
-        loop.wbase[1] = wbase1;
-        loop.sbase = sbase;
+    // The loop state that does not depend on the pass, and the first iteration's weights and
+    // scale bytes: they need only the expert, so they are requested now, while the expert's rows
+    // (and, in FC1, their tokens) are still on their way -- in FC2 before the wait, since weights
+    // are no kernel's output.
+    Loop loop;
+    // The lane's offsets and the expert's bases: set before the preload and again by each pass
+    // (recomputing them is cheaper than holding them in registers through the plain order's pass).
+    const auto start_loop = [&]() {
 #pragma unroll
         for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) loop.woff[m][h] = lane_woff(m, h);
             loop.soff[m] = ((stile[m] * p.chunks + lane_chunk) * 8 + g) * kScaleBytes;
+        }
+        loop.wbase[0] = wbase0;
+        loop.wbase[1] = wbase1;
+        loop.sbase = sbase;
+    };
+    if constexpr (Loop::kPreload) start_loop();
+    const bool first_unchecked = warp_last < full_chunks;  // uniform per warp
+    const bool first_exists = lane_chunk - t < p.chunks;   // uniform per warp
+    // This lane's activation row (B column g) in a pass starting at row r0. FC1 reads x in token
+    // order. A lane past the expert's last row reads the pass's first row, the address lane g = 0
+    // loads (one L1 broadcast instead of a second row in the same bank groups): B column g only
+    // feeds the sums of activation row g, which are then never stored.
+    const auto source_row = [&](int r0) -> int {
+        const int row = r0 + g < row_end ? r0 + g : r0;
+        return p.row_source ? p.row_source[row] / p.top_k : row;
+    };
+    // The first pass's row is requested before the weights: behind them it arrived only with them
+    // (H200 timeline, Qwen FC1 at M = 1: 1.6 us after the offsets, 0.45 us when issued first).
+    const int first_src = row_begin < row_end ? source_row(row_begin) : 0;
+    typename Loop::Frag first_frag;
+    if constexpr (Loop::kPreload) {
+        if (first_unchecked) {
+            loop.template load<false>(first_frag, lane_chunk, p.chunks);
+        } else if (first_exists) {
+            loop.template load<true>(first_frag, lane_chunk, p.chunks);
+        }
+    } else if (!kGated && p.dependent && lane_chunk < p.chunks) {
+        // As a programmatic dependent of FC1, FC2 asks the L2 for its first weight chunks before
+        // the wait: they arrive while FC1 finishes.
+#pragma unroll
+        for (int m = 0; m < kTiles; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) prefetch_l2(wbase0 + lane_woff(m, h));
+        }
+    }
+    if constexpr (!kGated) cm::wait_upstream();  // x is FC1's output
+    // One pass of 8 rows; `pre`: the first pass, whose iteration 0 uses first_frag. Called with a
+    // constant at each site, so the frag is dead after the first pass (no registers held).
+    const auto run_pass = [&](int r0, bool pre) {
+        const int src = r0 == row_begin ? first_src : source_row(r0);
+
+        start_loop();
+#pragma unroll
+        for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) loop.acc[m][i] = 0.0f;
         }
         loop.xp = static_cast<const T*>(p.x) + (size_t)src * p.k + lane_chunk * kChunk;
 
         int first = lane_chunk;  // this lane's chunk in step 0 of the current iteration
-        for (int last = warp_last; last < full_chunks; last += kAdvance) {  // uniform per warp
+        int last = warp_last;     // the warp's last chunk of the current iteration
+        if (pre) {  // the first pass: iteration 0 from the registers loaded above
+            typename Loop::XFrag xv;
+            if (first_unchecked) {
+                loop.template load_x<false>(xv, first, p.chunks, p.k);
+                loop.compute(first_frag, xv, table);
+                first += kAdvance;
+                last += kAdvance;
+            } else if (first_exists) {
+                loop.template load_x<true>(xv, first, p.chunks, p.k);
+                loop.compute(first_frag, xv, table);
+                first += kAdvance;
+                last += kAdvance;
+            }
+        }
+        for (; last < full_chunks; last += kAdvance) {  // uniform per warp
             loop.template iteration<false>(table, first, p.chunks, p.k);
             first += kAdvance;
         }
@@ -568,7 +643,13 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
             }
         }
         if constexpr (kWarps > 1) __syncthreads();  // partial[] is reused by the next pass
+    };
+    int r0 = row_begin;
+    if constexpr (Loop::kPreload) {
+        if (r0 < row_end) run_pass(r0, true);
+        r0 += 8;
     }
+    for (; r0 < row_end; r0 += 8) run_pass(r0, false);
 }
 
 }  // namespace
