@@ -282,7 +282,7 @@ struct KLoop {
     static constexpr int kScaleBytes = 2 * kChunk / kBlock;  // rows g, g + 8: 4 (NVFP4), 2 (MXFP4)
     static constexpr int kUnroll = kTiles == 1 ? 2 : 1;      // chunks in flight per lane and row
     // The first iteration's weights load as soon as the expert is known (not in the plain order,
-    // whose longer decode leaves no registers for them: 8-28 bytes of spills at sm_90).
+    // whose longer decode leaves no registers for them: 8-byte spills at sm_90).
     static constexpr bool kPreload = kOrder != kPlain;
     static constexpr int kStep = kWarps * 4;                 // chunks per step of the block
 
