@@ -29,7 +29,7 @@ import numpy as np
 from ._backend import require_cupy
 from ._compile import KernelSpec, get_kernel
 
-__all__ = ["ENV_PDL", "launch", "pdl_enabled", "pdl_supported"]
+__all__ = ["ENV_PDL", "cluster_supported", "launch", "pdl_enabled", "pdl_supported"]
 
 #: ``CUPYMOE_PDL=0`` turns programmatic dependent launches off (every launch is an ordinary one).
 ENV_PDL = "CUPYMOE_PDL"
@@ -49,13 +49,18 @@ _CTYPES: dict[type, Any] = {
 
 # cuda.h (CUDA 12.0+): CUlaunchAttributeID, CUlaunchAttributeValue (a 64-byte union),
 # CUlaunchAttribute {id; pad to 8; value}, CUlaunchConfig.
+_ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _PDL_MIN_DRIVER = 12030  # graph capture of programmatic dependencies
 _PDL_MIN_CC = 90
 
 
+class _ClusterDim(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
 class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int), ("cluster", _ClusterDim)]
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -112,16 +117,30 @@ def kernel_params(args: Sequence[Any]) -> tuple[Any, list[Any]]:
     return array, values
 
 
-def pdl_config(
-    grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream_ptr: int
-) -> tuple[_LaunchConfig, _LaunchAttribute]:
-    """The ``CUlaunchConfig`` of a programmatic dependent launch (and its one attribute)."""
-    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value.flag = 1
-    config = _LaunchConfig(
-        *grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), ctypes.pointer(attr), 1
-    )
-    return config, attr
+def launch_config(
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    shared_mem: int,
+    stream_ptr: int,
+    *,
+    pdl: bool = True,
+    cluster: int = 1,
+) -> tuple[_LaunchConfig, Any]:
+    """The ``CUlaunchConfig`` of a launch with the programmatic-stream-serialization attribute
+    (``pdl``) and a cluster dimension of ``(cluster, 1, 1)`` blocks (when above 1), and the
+    attribute array it points at (keep it alive until the launch call returns)."""
+    attrs = (_LaunchAttribute * 2)()
+    n = 0
+    if pdl:
+        attrs[n].id = _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[n].value.flag = 1
+        n += 1
+    if cluster > 1:
+        attrs[n].id = _ATTR_CLUSTER_DIMENSION
+        attrs[n].value.cluster = _ClusterDim(cluster, 1, 1)
+        n += 1
+    config = _LaunchConfig(*grid, *block, shared_mem, ctypes.c_void_p(stream_ptr), attrs, n)
+    return config, attrs
 
 
 @functools.lru_cache(maxsize=1)
@@ -156,6 +175,23 @@ def _device_supports_pdl(device_id: int) -> bool:
     return pdl_supported(driver, cc, has_ex)
 
 
+@functools.cache
+def _device_supports_clusters(device_id: int) -> bool:
+    cupy = require_cupy()
+    try:
+        cc = int(cupy.cuda.Device(device_id).compute_capability)
+        has_ex = hasattr(_libcuda(), "cuLaunchKernelEx")
+    except (OSError, cupy.cuda.runtime.CUDARuntimeError):
+        return False
+    return cc >= _PDL_MIN_CC and has_ex
+
+
+def cluster_supported() -> bool:
+    """Whether the current device runs thread-block clusters (sm_90+) through
+    ``cuLaunchKernelEx``."""
+    return _device_supports_clusters(_current_device())
+
+
 def pdl_enabled() -> bool:
     """Whether ``launch(..., pdl=True)`` makes programmatic dependent launches on the current
     device: sm_90+, driver 12.3+, and ``CUPYMOE_PDL`` not ``0``."""
@@ -177,6 +213,7 @@ def launch(
     shared_mem: int = 0,
     stream: Any = None,
     pdl: bool = False,
+    cluster: int = 1,
 ) -> None:
     """Launch ``spec`` on ``stream`` (the current stream when ``None``).
 
@@ -187,10 +224,17 @@ def launch(
     _check_args(spec, args)
     kernel = get_kernel(spec)
     grid3, block3 = _dims(grid), _dims(block)
-    if pdl and pdl_enabled():
+    if cluster > 1 and grid3[0] % cluster:
+        raise ValueError(
+            f"{spec.name}: grid {grid3} is not a whole number of {cluster}-block clusters"
+        )
+    pdl = pdl and pdl_enabled()
+    if pdl or cluster > 1:
         cupy = require_cupy()
         s = stream if stream is not None else cupy.cuda.get_current_stream()
-        config, attr = pdl_config(grid3, block3, shared_mem, int(s.ptr))
+        config, attr = launch_config(
+            grid3, block3, shared_mem, int(s.ptr), pdl=pdl, cluster=cluster
+        )
         params, values = kernel_params(args)
         status = _libcuda().cuLaunchKernelEx(
             ctypes.byref(config), ctypes.c_void_p(int(kernel.kernel.ptr)), params, None

@@ -37,13 +37,26 @@ def test_struct_layouts_match_cuda_h() -> None:
     assert ctypes.sizeof(attr) == 72 and attr.value.offset == 8
 
 
-def test_pdl_config_fields() -> None:
-    config, attr = launch_mod.pdl_config((3, 2, 1), (128, 1, 1), 512, 0xABC0)
+def test_launch_config_fields() -> None:
+    config, attrs = launch_mod.launch_config((3, 2, 1), (128, 1, 1), 512, 0xABC0)
     assert (config.grid_x, config.grid_y, config.grid_z) == (3, 2, 1)
     assert (config.block_x, config.block_y, config.block_z) == (128, 1, 1)
     assert config.shared_mem == 512 and config.stream == 0xABC0 and config.num_attrs == 1
-    assert ctypes.addressof(config.attrs.contents) == ctypes.addressof(attr)
-    assert attr.id == 6 and attr.value.flag == 1  # PROGRAMMATIC_STREAM_SERIALIZATION, allowed
+    assert ctypes.addressof(config.attrs.contents) == ctypes.addressof(attrs)
+    assert attrs[0].id == 6 and attrs[0].value.flag == 1  # PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_launch_config_cluster(pdl: bool) -> None:
+    config, attrs = launch_mod.launch_config((8, 1, 1), (64, 1, 1), 0, 0, pdl=pdl, cluster=4)
+    assert config.num_attrs == 1 + pdl
+    cluster = attrs[int(pdl)]
+    assert cluster.id == 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    # CUlaunchAttributeValue.clusterDim: three unsigned ints at the start of the union.
+    raw = (ctypes.c_uint * 3).from_address(ctypes.addressof(cluster.value))
+    assert tuple(raw) == (4, 1, 1)
+    plain, _ = launch_mod.launch_config((8, 1, 1), (64, 1, 1), 0, 0, pdl=False)
+    assert plain.num_attrs == 0
 
 
 def test_kernel_params_point_at_c_values() -> None:

@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cupymoe.routing as routing_mod
 from cupymoe.routing import (
     Router,
     Routing,
@@ -374,8 +375,42 @@ def test_route_unaligned_rows(
         _check_routing(route_ref(np.ascontiguousarray(x[:, 1 : e + 1]), router), route(xd, router))
 
 
+def test_fused_cluster_size() -> None:
+    # One routing warp per scheduler (4 per block) from M = 5 on, at most 8 blocks; one block
+    # without clusters or while one block has a scheduler per token.
+    got = [routing_mod.fused_cluster_size(m, True) for m in range(1, 65)]
+    assert got == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4 + [5] * 4 + [6] * 4 + [7] * 4 + [8] * 36
+    assert all(routing_mod.fused_cluster_size(m, False) == 1 for m in range(1, 65))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(("m", "e", "k"), [(4, 256, 8), (64, 128, 4), (300, 256, 8), (3, 512, 8)])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("m", "e", "k"), [(5, 256, 8), (8, 256, 8), (13, 60, 4), (64, 32, 1)])
+def test_route_cluster_matches_one_block(
+    method: RoutingMethod, m: int, e: int, k: int, rng: np.random.Generator, monkeypatch
+) -> None:
+    # The fused launch as a cluster (tokens spread over blocks, ids gathered in block 0) gives
+    # bitwise what one block gives; on sm_90+ the cluster path is really taken.
+    cupy = pytest.importorskip("cupy")
+    clusters = routing_mod.cluster_supported()
+    assert clusters == (int(cupy.cuda.Device().compute_capability) >= 90)
+    assert routing_mod.fused_cluster_size(m, clusters) == (min(-(-m // 4), 8) if clusters else 1)
+    router = _router(method, e, k, renormalize=True)
+    x = _device(_logits("ties", m, e, np.float32, rng))
+    spread = route(x, router, out=_poisoned(m, e, k))
+    monkeypatch.setattr(routing_mod, "cluster_supported", lambda: False)
+    single = route(x, router, out=_poisoned(m, e, k))
+    for name in ("topk_ids", "topk_weights", "expert_offsets", "sorted_rows", "inverse"):
+        a, b = getattr(spread, name).get(), getattr(single, name).get()
+        assert np.array_equal(a.view(np.int32), b.view(np.int32)), name
+    assert np.array_equal(spread.active_experts.get(), single.active_experts.get())
+    _check_routing(route_ref(x.get(), router), spread)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("m", "e", "k"), [(4, 256, 8), (8, 256, 8), (64, 128, 4), (300, 256, 8), (3, 512, 8)]
+)
 def test_route_cuda_graph(m: int, e: int, k: int, rng: np.random.Generator) -> None:
     cupy = pytest.importorskip("cupy")
     router = _router(RoutingMethod.SOFTMAX_TOPK, e, k)

@@ -642,12 +642,38 @@ __global__ void __launch_bounds__(128, 1) route_warp(
     }
 }
 
-// Routing and the expert maps in ONE launch (decode): one block of W routing warps and one maps
-// warp (the last). Routing warp w routes tokens w, w + W, ...; once a warp has staged the ids of
-// its last token in shared memory it arrives on barrier 1 and goes on to that token's weights,
-// while the maps warp, released when every routing warp has arrived, builds the maps from the
-// staged ids. M * k <= 64, E <= 256, k <= kN, W <= 8.
+// Routing and the expert maps in ONE launch (decode). A cluster of C blocks (C = 1: a plain
+// launch; C > 1 needs sm_90 and a cluster launch), each of W routing warps and one maps warp (the
+// last). Block r routes tokens r, r + C, ...; routing warp w of block r takes every (C W)-th of
+// them from r + C w. Block 0's maps warp builds the maps from the ids staged in block 0's shared
+// memory: its own routing warps stage theirs and arrive on barrier 1 (then go on to the token's
+// weights); the other blocks' warps store theirs there with st.async, which counts the bytes on
+// an mbarrier of block 0 (no release fence: with mbarrier.arrive.release.cluster instead, the
+// launch took 0.15 us longer at M = 2 .. 8). The maps warps of blocks r > 0 only exit. Several
+// blocks are for the issue slots: with two routing warps on a scheduler every phase of a token
+// slows down (routing.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
 constexpr int kMapsBarrier = 1;
+
+__device__ __forceinline__ unsigned cluster_size() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+#else
+    return 1u;
+#endif
+}
+
+__device__ __forceinline__ unsigned cluster_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+#else
+    return 0u;
+#endif
+}
+
 template <typename T, int kMethod, int kN>
 __global__ void __launch_bounds__(288) route_fused(
     const T* __restrict__ logits, long long ld, int n_tokens, int E, int k, int n_group,
@@ -658,28 +684,76 @@ __global__ void __launch_bounds__(288) route_fused(
     __shared__ float scratch[kMethod == 2 ? 8 * 512 : 1];
     __shared__ int ids_s[64];
     __shared__ __align__(16) int cnt[rt::kWarpMapBuckets];
+    __shared__ __align__(8) unsigned long long remote_ids;  // mbarrier: the other blocks' ids
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_route = (blockDim.x >> 5) - 1;
+    const int n_cta = (int)cluster_size(), rank = (int)cluster_rank();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (n_cta > 1) {  // block-uniform. Block 0 sets up the mbarrier, published by the cluster
+        // barrier that every thread arrives on here and the other blocks wait on before storing.
+        if (rank == 0 && threadIdx.x == 0) {
+            const int own = (n_tokens + n_cta - 1) / n_cta;  // block 0's tokens
+            const unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                         "r"((n_tokens - own) * k * 4)
+                         : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    }
+#endif
     cm::wait_upstream();  // the logits, and every buffer written here, belong to earlier kernels
     if (warp == n_route) {
+        if (rank != 0) return;
         rt::zero_map_counts(cnt, lane);
         asm volatile("bar.sync %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (n_cta > 1) {
+            const unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+            unsigned done = 0;
+            while (!done)
+                asm volatile(
+                    "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
+                    "[%1], 0; selp.u32 %0, 1, 0, p; }"
+                    : "=r"(done)
+                    : "r"(bar)
+                    : "memory");
+        }
+#endif
         rt::build_maps_warp(ids_s, n_tokens * k, E, offsets, sorted_rows, inverse, active,
                             active_len, cnt);
         return;
     }
-    if (warp >= n_tokens)
+    const int first = rank + n_cta * warp, step = n_cta * n_route;
+    if (rank == 0 && first >= n_tokens)
         asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
-    for (int t = warp; t < n_tokens; t += n_route) {
+    for (int t = first; t < n_tokens; t += step) {
         float val[kN], sig[kN];
         uint32_t top;
         const uint64_t mine = rt::select_token_warp<T, kMethod, kN>(
             logits + t * ld, E, k, n_group, topk_group, bias, scratch + warp * 512, lane, val,
             sig, top);
         const int id = rt::key_expert(mine);
-        if (lane < k) ids_s[t * k + lane] = id;
-        if (t + n_route >= n_tokens)  // this warp's last token: its ids are all staged
-            asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+        if (rank == 0) {
+            if (lane < k) ids_s[t * k + lane] = id;
+            if (t + step >= n_tokens)  // this warp's last token: its ids are all staged
+                asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+        } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if (t == first) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+            if (lane < k) {
+                unsigned dst = (unsigned)__cvta_generic_to_shared(&ids_s[t * k + lane]);
+                unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+                asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(dst));
+                asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(bar));
+                asm volatile(
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(dst),
+                    "r"(id), "r"(bar)
+                    : "memory");
+            }
+#endif
+        }
         const float w =
             rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
         if (lane < k) {
