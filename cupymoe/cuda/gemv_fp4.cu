@@ -562,19 +562,15 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
 
         int first = lane_chunk;  // this lane's chunk in step 0 of the current iteration
         int last = warp_last;     // the warp's last chunk of the current iteration
-        if (pre) {  // the first pass: iteration 0 from the registers loaded above
+        if (pre && first_exists) {  // the first pass: iteration 0 from the registers loaded above
             typename Loop::XFrag xv;
-            if (first_unchecked) {
+            if (first_unchecked)  // implies first_exists
                 loop.template load_x<false>(xv, first, p.chunks, p.k);
-                loop.compute(first_frag, xv, table);
-                first += kAdvance;
-                last += kAdvance;
-            } else if (first_exists) {
+            else
                 loop.template load_x<true>(xv, first, p.chunks, p.k);
-                loop.compute(first_frag, xv, table);
-                first += kAdvance;
-                last += kAdvance;
-            }
+            loop.compute(first_frag, xv, table);
+            first += kAdvance;
+            last += kAdvance;
         }
         for (; last < full_chunks; last += kAdvance) {  // uniform per warp
             loop.template iteration<false>(table, first, p.chunks, p.k);
