@@ -29,10 +29,20 @@ import numpy as np
 from ._backend import require_cupy
 from ._compile import KernelSpec, get_kernel
 
-__all__ = ["ENV_PDL", "cluster_supported", "launch", "pdl_enabled", "pdl_supported"]
+__all__ = [
+    "ENV_CLUSTERS",
+    "ENV_PDL",
+    "cluster_supported",
+    "launch",
+    "pdl_enabled",
+    "pdl_supported",
+]
 
 #: ``CUPYMOE_PDL=0`` turns programmatic dependent launches off (every launch is an ordinary one).
 ENV_PDL = "CUPYMOE_PDL"
+#: ``CUPYMOE_CLUSTERS=0``: no thread-block clusters (the decode routing runs as one block).
+#: compute-sanitizer's racecheck did not finish a cluster launch of the routing (H200, session 10).
+ENV_CLUSTERS = "CUPYMOE_CLUSTERS"
 
 _SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float64, np.bool_)
 
@@ -187,8 +197,10 @@ def _device_supports_clusters(device_id: int) -> bool:
 
 
 def cluster_supported() -> bool:
-    """Whether the current device runs thread-block clusters (sm_90+) through
-    ``cuLaunchKernelEx``."""
+    """Whether launches may use thread-block clusters: the current device runs them (sm_90+,
+    through ``cuLaunchKernelEx``) and ``CUPYMOE_CLUSTERS`` is not ``0``."""
+    if os.environ.get(ENV_CLUSTERS, "1").strip() == "0":
+        return False
     return _device_supports_clusters(_current_device())
 
 

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Programmatic dependent launches (cupymoe/_launch.py).
+"""Programmatic dependent launches and cluster launches (cupymoe/_launch.py).
 
-CPU: the ctypes mirrors of ``CUlaunchConfig`` / ``CUlaunchAttribute`` have cuda.h's layout, the
-kernel-parameter array points at values of the kernel's C types, the support rule and the
-``CUPYMOE_PDL`` switch. GPU: a layer gives bitwise the same output with and without PDL, eager
-and in a chained CUDA graph replayed with new inputs (a stage that read data of the previous call
-before its wait would differ), and PDL is really in use on sm_90+.
+CPU: the ctypes mirrors of ``CUlaunchConfig`` / ``CUlaunchAttribute`` have cuda.h's layout (the
+cluster-dimension attribute too), the kernel-parameter array points at values of the kernel's C
+types, the support rule and the ``CUPYMOE_PDL`` and ``CUPYMOE_CLUSTERS`` switches. GPU: a layer
+gives bitwise the same output with and without PDL, eager and in a chained CUDA graph replayed
+with new inputs (a stage that read data of the previous call before its wait would differ), and
+PDL is really in use on sm_90+.
 """
 
 from __future__ import annotations
@@ -114,6 +115,18 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(launch_mod.ENV_PDL, "1")
     monkeypatch.setattr(launch_mod, "_device_supports_pdl", lambda device_id: False)
     assert not launch_mod.pdl_enabled()
+
+
+def test_cluster_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "_device_supports_clusters", lambda device_id: True)
+    monkeypatch.delenv(launch_mod.ENV_CLUSTERS, raising=False)
+    assert launch_mod.cluster_supported()
+    monkeypatch.setenv(launch_mod.ENV_CLUSTERS, "0")
+    assert not launch_mod.cluster_supported()
+    monkeypatch.setenv(launch_mod.ENV_CLUSTERS, "1")
+    monkeypatch.setattr(launch_mod, "_device_supports_clusters", lambda device_id: False)
+    assert not launch_mod.cluster_supported()
 
 
 # ---- GPU -------------------------------------------------------------------------------------

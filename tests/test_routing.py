@@ -392,6 +392,7 @@ def test_route_cluster_matches_one_block(
     # The fused launch as a cluster (tokens spread over blocks, ids gathered in block 0) gives
     # bitwise what one block gives; on sm_90+ the cluster path is really taken.
     cupy = pytest.importorskip("cupy")
+    monkeypatch.delenv("CUPYMOE_CLUSTERS", raising=False)
     clusters = routing_mod.cluster_supported()
     assert clusters == (int(cupy.cuda.Device().compute_capability) >= 90)
     assert routing_mod.fused_cluster_size(m, clusters) == (min(-(-m // 4), 8) if clusters else 1)
