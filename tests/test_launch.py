@@ -105,28 +105,25 @@ def test_support_rule(driver: int, cc: int, has_ex: bool, want: bool) -> None:
     assert launch_mod.pdl_supported(driver, cc, has_ex) is want
 
 
-def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("env", "support", "enabled"),
+    [
+        (launch_mod.ENV_PDL, "_device_supports_pdl", launch_mod.pdl_enabled),
+        (launch_mod.ENV_CLUSTERS, "_device_supports_clusters", launch_mod.cluster_supported),
+    ],
+)
+def test_environment_switch(
+    monkeypatch: pytest.MonkeyPatch, env: str, support: str, enabled: Any
+) -> None:
     monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch_mod, "_device_supports_pdl", lambda device_id: True)
-    monkeypatch.delenv(launch_mod.ENV_PDL, raising=False)
-    assert launch_mod.pdl_enabled()
-    monkeypatch.setenv(launch_mod.ENV_PDL, "0")
-    assert not launch_mod.pdl_enabled()
-    monkeypatch.setenv(launch_mod.ENV_PDL, "1")
-    monkeypatch.setattr(launch_mod, "_device_supports_pdl", lambda device_id: False)
-    assert not launch_mod.pdl_enabled()
-
-
-def test_cluster_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
-    monkeypatch.setattr(launch_mod, "_device_supports_clusters", lambda device_id: True)
-    monkeypatch.delenv(launch_mod.ENV_CLUSTERS, raising=False)
-    assert launch_mod.cluster_supported()
-    monkeypatch.setenv(launch_mod.ENV_CLUSTERS, "0")
-    assert not launch_mod.cluster_supported()
-    monkeypatch.setenv(launch_mod.ENV_CLUSTERS, "1")
-    monkeypatch.setattr(launch_mod, "_device_supports_clusters", lambda device_id: False)
-    assert not launch_mod.cluster_supported()
+    monkeypatch.setattr(launch_mod, support, lambda device_id: True)
+    monkeypatch.delenv(env, raising=False)
+    assert enabled()
+    monkeypatch.setenv(env, "0")
+    assert not enabled()
+    monkeypatch.setenv(env, "1")
+    monkeypatch.setattr(launch_mod, support, lambda device_id: False)
+    assert not enabled()
 
 
 # ---- GPU -------------------------------------------------------------------------------------

@@ -654,24 +654,14 @@ __global__ void __launch_bounds__(128, 1) route_warp(
 // slows down (routing.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
 constexpr int kMapsBarrier = 1;
 
-__device__ __forceinline__ unsigned cluster_size() {
+// (blocks in this block's cluster, its rank there): (1, 0) without a cluster launch or sm_90.
+__device__ __forceinline__ uint2 cluster_place() {
+    uint2 c = make_uint2(1u, 0u);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-#else
-    return 1u;
+    asm("mov.u32 %0, %%cluster_nctarank;\n\tmov.u32 %1, %%cluster_ctarank;"
+        : "=r"(c.x), "=r"(c.y));
 #endif
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-#else
-    return 0u;
-#endif
+    return c;
 }
 
 template <typename T, int kMethod, int kN>
@@ -687,7 +677,8 @@ __global__ void __launch_bounds__(288) route_fused(
     __shared__ __align__(8) unsigned long long remote_ids;  // mbarrier: the other blocks' ids
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_route = (blockDim.x >> 5) - 1;
-    const int n_cta = (int)cluster_size(), rank = (int)cluster_rank();
+    const uint2 place = cluster_place();
+    const int n_cta = (int)place.x, rank = (int)place.y;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (n_cta > 1) {  // block-uniform. Block 0 sets up the mbarrier, published by the cluster
         // barrier that every thread arrives on here and the other blocks wait on before storing.
@@ -748,8 +739,8 @@ __global__ void __launch_bounds__(288) route_fused(
                 asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(dst));
                 asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(bar));
                 asm volatile(
-                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(dst),
-                    "r"(id), "r"(bar)
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];"
+                    ::"r"(dst), "r"(id), "r"(bar)
                     : "memory");
             }
 #endif
