@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Typed kernel launches, optionally as programmatic dependent launches (PDL).
+"""Typed kernel launches, optionally as programmatic dependent launches (PDL) and in
+thread-block clusters.
 
 CuPy validates nothing about kernel arguments ("No validation is performed ... including types
 and number of arguments"): a bare Python ``int`` becomes a 64-bit value and silently shifts every
@@ -12,8 +13,12 @@ stream is still running, once every block of that kernel has executed
 ``griddepcontrol.launch_dependents``. Its blocks then run their prologue (shared tables, reads of
 data that kernel does not write) and block in ``griddepcontrol.wait`` until it has completed and
 its writes are visible. The kernels launched this way call ``cm::wait_upstream()`` (common.cuh)
-before they read what the previous kernel wrote and before they write anything. CuPy has no
-``cuLaunchKernelEx``; it is called through ``ctypes`` on ``libcuda``.
+before they read what the previous kernel wrote and before they write anything.
+
+Clusters (sm_90 and newer): ``launch(..., cluster=C)`` groups every C consecutive blocks along x
+into a cluster, co-scheduled on one GPC, whose blocks can reach each other's shared memory (the
+decode routing, ``routing.fused_cluster_size``). CuPy has no ``cuLaunchKernelEx``; it is called
+through ``ctypes`` on ``libcuda``.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ _ATTR_CLUSTER_DIMENSION = 4
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _PDL_MIN_DRIVER = 12030  # graph capture of programmatic dependencies
 _PDL_MIN_CC = 90
+_CLUSTER_MIN_CC = 90
 
 
 class _ClusterDim(ctypes.Structure):
@@ -193,7 +199,7 @@ def _device_supports_clusters(device_id: int) -> bool:
         has_ex = hasattr(_libcuda(), "cuLaunchKernelEx")
     except (OSError, cupy.cuda.runtime.CUDARuntimeError):
         return False
-    return cc >= _PDL_MIN_CC and has_ex
+    return cc >= _CLUSTER_MIN_CC and has_ex
 
 
 def cluster_supported() -> bool:
@@ -234,12 +240,12 @@ def launch(
     kernels that call ``cm::wait_upstream()`` before touching the previous kernel's data.
     """
     _check_args(spec, args)
-    kernel = get_kernel(spec)
     grid3, block3 = _dims(grid), _dims(block)
     if cluster > 1 and grid3[0] % cluster:
         raise ValueError(
             f"{spec.name}: grid {grid3} is not a whole number of {cluster}-block clusters"
         )
+    kernel = get_kernel(spec)
     pdl = pdl and pdl_enabled()
     if pdl or cluster > 1:
         cupy = require_cupy()

@@ -60,6 +60,13 @@ def test_launch_config_cluster(pdl: bool) -> None:
     assert plain.num_attrs == 0
 
 
+def test_cluster_must_divide_the_grid() -> None:
+    pytest.importorskip("cupy")
+    spec = launch_mod.KernelSpec("routing", "route_fused", ("float", 1, 8))
+    with pytest.raises(ValueError, match="whole number of 2-block clusters"):
+        launch_mod.launch(spec, 3, 64, (np.int32(1),), cluster=2)  # before any compile
+
+
 def test_kernel_params_point_at_c_values() -> None:
     device_array = types.SimpleNamespace(data=types.SimpleNamespace(ptr=0x7F00_1234_5600))
     args = [
