@@ -180,32 +180,37 @@ def pdl_supported(driver_version: int, compute_capability: int, has_launch_ex: b
 
 
 @functools.cache
-def _device_supports_pdl(device_id: int) -> bool:
+def _device_facts(device_id: int) -> tuple[int, int, bool] | None:
+    """(driver version, compute capability, whether ``libcuda`` has ``cuLaunchKernelEx``); None
+    without a driver or ``libcuda.so.1``."""
     cupy = require_cupy()
     try:
         driver = int(cupy.cuda.runtime.driverGetVersion())
         cc = int(cupy.cuda.Device(device_id).compute_capability)
         has_ex = hasattr(_libcuda(), "cuLaunchKernelEx")
-    except (OSError, cupy.cuda.runtime.CUDARuntimeError):  # no driver, or no libcuda.so.1
-        return False
-    return pdl_supported(driver, cc, has_ex)
-
-
-@functools.cache
-def _device_supports_clusters(device_id: int) -> bool:
-    cupy = require_cupy()
-    try:
-        cc = int(cupy.cuda.Device(device_id).compute_capability)
-        has_ex = hasattr(_libcuda(), "cuLaunchKernelEx")
     except (OSError, cupy.cuda.runtime.CUDARuntimeError):
-        return False
-    return cc >= _CLUSTER_MIN_CC and has_ex
+        return None
+    return driver, cc, has_ex
+
+
+def _device_supports_pdl(device_id: int) -> bool:
+    facts = _device_facts(device_id)
+    return facts is not None and pdl_supported(*facts)
+
+
+def _device_supports_clusters(device_id: int) -> bool:
+    facts = _device_facts(device_id)
+    return facts is not None and facts[1] >= _CLUSTER_MIN_CC and facts[2]
+
+
+def _switched_off(env: str) -> bool:
+    return os.environ.get(env, "1").strip() == "0"
 
 
 def cluster_supported() -> bool:
     """Whether launches may use thread-block clusters: the current device runs them (sm_90+,
     through ``cuLaunchKernelEx``) and ``CUPYMOE_CLUSTERS`` is not ``0``."""
-    if os.environ.get(ENV_CLUSTERS, "1").strip() == "0":
+    if _switched_off(ENV_CLUSTERS):
         return False
     return _device_supports_clusters(_current_device())
 
@@ -213,7 +218,7 @@ def cluster_supported() -> bool:
 def pdl_enabled() -> bool:
     """Whether ``launch(..., pdl=True)`` makes programmatic dependent launches on the current
     device: sm_90+, driver 12.3+, and ``CUPYMOE_PDL`` not ``0``."""
-    if os.environ.get(ENV_PDL, "1").strip() == "0":
+    if _switched_off(ENV_PDL):
         return False
     return _device_supports_pdl(_current_device())
 

@@ -616,11 +616,11 @@ def fused_cluster_size(m: int, clusters: bool) -> int:
     enough for one routing warp per scheduler, ``ceil(m / 4)`` up to 8, where the device has
     clusters (``clusters``, sm_90+), else 1.
 
-    H200 (``bench_routing.py``, E 256, top-8, µs at M = 2 / 4 / 8, PDL): one block 2.17 / 2.27 /
-    2.65 (softmax top-k) and 2.76 / 2.89 / 3.52 (grouped sigmoid); one block per token 2.20 /
-    2.33 / 2.43 and 2.75 / 2.89 / 3.00. Two routing warps on a scheduler (M > 4) cost every phase
-    of a token; below that a cluster buys nothing, and ordinary launches of clusters cost more
-    (grouped M = 2: 3.28 -> 3.52).
+    H200 (``bench_routing.py``, E 256, top-8, µs, PDL): at M = 8 one block 2.65 (softmax top-k)
+    and 3.52 (grouped sigmoid), ceil(M / 4) = 2 blocks 2.44 and 3.02, one block per token 2.43
+    and 3.00: two routing warps on a scheduler (M > 4) cost every phase of a token. At M = 2 / 4 a
+    block per token buys nothing (grouped 2.75 / 2.89 against 2.76 / 2.89), and ordinary launches
+    of clusters cost more (grouped M = 2: 3.28 -> 3.52).
     """
     return min(-(-m // 4), 8) if clusters and m > 4 else 1
 
