@@ -202,20 +202,50 @@ def test_groups_by_lanes_match_reference(
         assert sum(kept) == topk_group
 
 
+def _kernel_constant(name: str) -> int:
+    """A ``constexpr int`` of routing.cu, read from the kernel source."""
+    found = re.search(rf"constexpr int {name} = (\d+);", kernel_source("routing"))
+    assert found, name
+    return int(found.group(1))
+
+
 def _maps_warp(ids: np.ndarray, e: int) -> tuple[np.ndarray, ...]:
     """Transcription of rt::build_maps_warp (n <= 64 rows, E <= 256, one warp)."""
     n = ids.size
     cnt = np.zeros(33 * 8, np.int64)
     rank = np.zeros(64, np.int64)
-    for chunk in (0, 1):  # match.any within rows 0..31, then 32..63 after chunk 0's counts
-        base = 32 * chunk
-        for lane in range(LANES):
-            row = base + lane
-            if row < n:
-                peers = [r for r in range(base, min(base + 32, n)) if ids[r] == ids[row]]
-                rank[row] = peers.index(row) + (cnt[ids[row]] if chunk else 0)
-        for x in set(ids[base : min(base + 32, n)].tolist()):
-            cnt[x] += int(np.count_nonzero(ids[base : min(base + 32, n)] == x))
+
+    def bucket(row: int) -> int:
+        return (int(ids[row]) if 0 <= ids[row] < e else e) if row < n else -1
+
+    ea = [bucket(lane) for lane in range(LANES)]
+    eb = [bucket(lane + LANES) for lane in range(LANES)]
+    # lanes_a / lanes_b: per bucket, the lanes whose row of the chunk is in it (atomicOr)
+    lanes_a: dict[int, int] = {}
+    lanes_b: dict[int, int] = {}
+    for lane in range(LANES):
+        if ea[lane] >= 0:
+            lanes_a[ea[lane]] = lanes_a.get(ea[lane], 0) | 1 << lane
+        if eb[lane] >= 0:
+            lanes_b[eb[lane]] = lanes_b.get(eb[lane], 0) | 1 << lane
+    few = n <= _kernel_constant("kMatchRows")
+    for lane in range(LANES):
+        lower = (1 << lane) - 1
+        if few:  # match.any: the lanes holding the same value (-1 included)
+            pa = sum(1 << j for j in range(LANES) if ea[j] == ea[lane])
+        else:
+            pa = lanes_a.get(ea[lane], 0) if ea[lane] >= 0 else 0
+        count = bin(pa).count("1")
+        rank[lane] = bin(pa & lower).count("1")
+        if n > LANES:
+            pb = lanes_b.get(eb[lane], 0) if eb[lane] >= 0 else 0
+            before = lanes_a.get(eb[lane], 0) if eb[lane] >= 0 else 0
+            rank[lane + LANES] = bin(before).count("1") + bin(pb & lower).count("1")
+            count += bin(lanes_b.get(ea[lane], 0)).count("1") if ea[lane] >= 0 else 0
+            if eb[lane] >= 0 and before == 0 and pb & lower == 0:
+                cnt[eb[lane]] = bin(pb).count("1")
+        if ea[lane] >= 0 and pa & lower == 0:
+            cnt[ea[lane]] = count
     packed = []
     for lane in range(LANES):
         buckets = range(8 * lane, 8 * lane + (9 if lane == 31 else 8))

@@ -539,19 +539,28 @@ __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__
 }
 
 // Expert maps of n <= 64 rows and E <= 256 on ONE warp (no block barrier), for the fused launch.
-// cnt: shared [kWarpMapBuckets], 16-byte aligned, zeroed (zero_map_counts) before the ids are
-// staged. Lane l owns buckets 8l .. 8l + 7 (lane 31 also bucket 256).
+// cnt: shared [kWarpMapWords], 16-byte aligned, zeroed (zero_map_counts) before the ids are
+// staged: the bucket counts (lane l owns buckets 8l .. 8l + 7, lane 31 also bucket 256), then
+// per bucket the lanes whose row of the first chunk (rows 0..31) is in it, then the same for
+// the second chunk (rows 32..63).
 constexpr int kWarpMapBuckets = 33 * 8;
-__device__ __forceinline__ void zero_map_counts(int* cnt, int lane) {
+constexpr int kWarpMapWords = 3 * kWarpMapBuckets;
+// Up to this many rows the ranks come from match.any, above it from the lane masks. match.any
+// takes longer the more distinct values the warp holds; the masks cost an atomic and a load
+// whatever the ids (H200, grouped sigmoid with PDL: M = 1 2.55 against 2.64 us; M = 4 2.88
+// against 2.78; M = 8 3.03 against 2.95).
+constexpr int kMatchRows = 8;
+__device__ __forceinline__ void zero_map_counts(int* cnt, int lane, int n) {
     int4* cnt4 = reinterpret_cast<int4*>(cnt);
     const int4 zero = make_int4(0, 0, 0, 0);
-    cnt4[2 * lane] = zero;
-    cnt4[2 * lane + 1] = zero;
-    if (lane < 2) cnt4[64 + lane] = zero;
+    const int words = n <= kMatchRows ? kWarpMapBuckets : kWarpMapWords;
+    for (int i = lane; i < words / 4; i += 32) cnt4[i] = zero;
 }
-// ids: shared [n]. Lane l ranks rows l and l + 32 with match.any (stable: row order), the bucket
-// counts meet in shared memory, and one warp scan over the lanes' buckets gives the offsets and
-// the active list. Ids outside [0, E) go to bucket E; same results as build_maps_block.
+// ids: shared [n]. Lane l ranks rows l and l + 32 (stable: row order): a row's rank in its
+// bucket counts the lanes below it in the bucket's mask of its chunk, plus, for the second
+// chunk, every first-chunk row of the bucket. The first row of a bucket stores its count; one
+// warp scan over the lanes' buckets gives the offsets and the active list. Ids outside [0, E)
+// go to bucket E; same results as build_maps_block.
 __device__ __forceinline__ void build_maps_warp(const int* ids, int n, int E,
                                                 int* __restrict__ offsets,
                                                 int* __restrict__ sorted_rows,
@@ -561,18 +570,29 @@ __device__ __forceinline__ void build_maps_warp(const int* ids, int n, int E,
     const int lane = threadIdx.x & 31;
     const unsigned lower = (1u << lane) - 1u;
     int4* cnt4 = reinterpret_cast<int4*>(cnt);
+    unsigned* lanes_a = reinterpret_cast<unsigned*>(cnt) + kWarpMapBuckets;
+    unsigned* lanes_b = lanes_a + kWarpMapBuckets;
     const int ea = lane < n ? sanitize_expert(ids[lane], E) : -1;
     const int eb = lane + 32 < n ? sanitize_expert(ids[lane + 32], E) : -1;
-    const unsigned pa = __match_any_sync(kFull, ea), pb = __match_any_sync(kFull, eb);
-    const int ra = __popc(pa & lower);
-    int rb = __popc(pb & lower);
-    if (ea >= 0 && (pa & lower) == 0u) cnt[ea] = __popc(pa);
-    if (n > 32) {  // warp-uniform: the second chunk of rows
+    unsigned pa;  // the first chunk's lanes in bucket ea
+    if (n <= kMatchRows) {  // warp-uniform
+        pa = __match_any_sync(kFull, ea);
+    } else {
+        if (ea >= 0) atomicOr(&lanes_a[ea], 1u << lane);
+        if (eb >= 0) atomicOr(&lanes_b[eb], 1u << lane);
         __syncwarp();
-        if (eb >= 0) rb += cnt[eb];  // rows 0..31 of the same expert come first
-        __syncwarp();
-        if (eb >= 0 && (pb & lower) == 0u) cnt[eb] += __popc(pb);
+        pa = ea >= 0 ? lanes_a[ea] : 0u;
     }
+    const int ra = __popc(pa & lower);
+    int rb = 0, count = __popc(pa);
+    if (n > 32) {  // warp-uniform: the second chunk of rows
+        const unsigned pb = eb >= 0 ? lanes_b[eb] : 0u;
+        const unsigned before = eb >= 0 ? lanes_a[eb] : 0u;  // the first chunk's rows of eb
+        rb = __popc(before) + __popc(pb & lower);
+        count += ea >= 0 ? __popc(lanes_b[ea]) : 0;
+        if (eb >= 0 && before == 0u && (pb & lower) == 0u) cnt[eb] = __popc(pb);
+    }
+    if (ea >= 0 && (pa & lower) == 0u) cnt[ea] = count;
     __syncwarp();
     // Counts <= 64 and active experts <= 64: both sums fit one int as (count << 8) + active.
     const int4 lo = cnt4[2 * lane], hi = cnt4[2 * lane + 1];
@@ -673,7 +693,7 @@ __global__ void __launch_bounds__(288) route_fused(
     int active_len) {
     __shared__ float scratch[kMethod == 2 ? 8 * 512 : 1];
     __shared__ int ids_s[64];
-    __shared__ __align__(16) int cnt[rt::kWarpMapBuckets];
+    __shared__ __align__(16) int cnt[rt::kWarpMapWords];
     __shared__ __align__(8) unsigned long long remote_ids;  // mbarrier: the other blocks' ids
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int n_route = (blockDim.x >> 5) - 1;
@@ -697,7 +717,7 @@ __global__ void __launch_bounds__(288) route_fused(
     cm::wait_upstream();  // the logits, and every buffer written here, belong to earlier kernels
     if (warp == n_route) {
         if (rank != 0) return;
-        rt::zero_map_counts(cnt, lane);
+        rt::zero_map_counts(cnt, lane, n_tokens * k);
         asm volatile("bar.sync %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
         if (n_cta > 1) {
