@@ -5,6 +5,7 @@ and the GPU-only commands refusing cleanly without a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -73,3 +74,42 @@ def test_gpu_commands_refuse_without_gpu(args: list[str]) -> None:
 def test_bench_tune_bad_options(args: list[str], match: str) -> None:
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and match in result.output
+
+
+def _bench_ceiling():  # type: ignore[no-untyped-def]
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ceiling.py"
+    spec = importlib.util.spec_from_file_location("bench_ceiling", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_read_ceiling_bookkeeping() -> None:
+    bc = _bench_ceiling()
+    results = [
+        dict(preset="a", tokens=1, mode="graph", fc1_mb=36.0, fc1_us=12.0, fc2_mb=18.0, fc2_us=9.0),
+        dict(preset="a", tokens=64, mode="eager", fc1_mb=1.0, fc1_us=1.0, fc2_mb=1.0, fc2_us=1.0),
+        dict(preset="b", tokens=4, mode="graph", fc1_mb=2.0, fc1_us=3.0, fc2_mb=1.5, fc2_us=2.5),
+    ]
+    sizes = bc.read_sizes(results, {1, 4, 64})
+    assert [(s["preset"], s["op"], s["mb"], s["gemv_us"]) for s in sizes] == [
+        ("a", "FC1", 36.0, 12.0),
+        ("a", "FC2", 18.0, 9.0),
+        ("b", "FC1", 2.0, 3.0),
+        ("b", "FC2", 1.5, 2.5),
+    ]  # eager rows are not GEMV launches: left out
+    assert bc.read_sizes(results, {8}) == []
+    assert bc.needs_us(36.0) == pytest.approx(10.0)  # 36 MB at 0.8 x 4.5 TB/s
+    assert bc.launches_for(10**6, 2 * 10**9) == math.ceil(4 * bc.L2_BYTES / 10**6)
+    assert bc.launches_for(10**9, 10**9 + 5) == 1  # the pool holds one buffer
+    assert bc.launches_for(100 * 2**20, 2**31) == 8  # at least 8 launches per graph
+    with pytest.raises(ValueError, match="read of"):
+        bc.launches_for(2**31, 2**30)
+    rows = [dict(s, ceiling_us=10.5, shape="", needs_us=bc.needs_us(s["mb"])) for s in sizes[:2]]
+    table = bc.markdown(rows).splitlines()
+    assert table[2].endswith("| 10.00 | no |") and table[3].endswith("| 5.00 | no |")
+    assert "| 88 % |" in table[2]  # the ceiling over the GEMV: 10.5 / 12
