@@ -23,7 +23,6 @@ from .formats import Fp4Format
 
 __all__ = [
     "BLOCKS_FOR_CTA_N",
-    "SKIP_CTA64_ROWS",
     "WIDE_MAX_BLOCKS",
     "ENV_GEMV_CONFIG",
     "ROW_WINDOW",
@@ -60,13 +59,6 @@ TILINGS: tuple[tuple[int, int], ...] = ((16, 128), (32, 128), (64, 128), (32, 25
 #:  * DeepSeek FC1 / FC2 M=1: 61.8 / 62.3 / 60.0 (512) and 35.6 / 33.7 / 32.9 (896) -> 64.
 #: (gpt-oss FC2 at M=4 / 8 runs 4-7 % faster at 32 than the 64 chosen here; ``cupymoe tune``.)
 BLOCKS_FOR_CTA_N: tuple[tuple[int, int], ...] = ((480, 64), (300, 32))
-#: Expanded rows (inclusive range) for which the table skips cta_n 64: at 2-4 tokens of top-8
-#: (about one row per expert) 32-row tiles win whatever the block count. ``cupymoe tune``, H200,
-#: session 11, µs at cta_n 32 / 64: Qwen FC1 32 rows 10.64 / 11.75, FC2 7.40 / 8.08; gpt-oss FC2
-#: 16 rows 22.95 / 25.73, FC1 41.15 / 41.87; DeepSeek FC1 / FC2 32 rows 100.6 / 103.1 and
-#: 49.2 / 49.8; gpt-oss 32 rows equal (56.98 / 57.20, 31.06 / 31.08). Outside it 64 wins where
-#: the table picks it: Qwen FC1 64 rows 15.49 / 13.73, DeepSeek FC1 8 rows 43.09 / 38.70.
-SKIP_CTA64_ROWS: tuple[int, int] = (9, 32)
 #: Where the table picks cta_n 32 for at most this many blocks (3 blocks of 8 warps per SM x 132
 #: SMs: one wave) and K has at least 64 chunks (two steps of 8 warps x 4 chunks), the blocks get 8
 #: warps instead of 4: twice the warps on the SMs of a launch that fills under half a wave.
@@ -127,8 +119,6 @@ class GemvConfig:
         weight_rows = int(n) * (2 if gated else 1)
         active = int(rows) if n_experts is None else min(int(rows), int(n_experts))
         for min_blocks, cta_n in BLOCKS_FOR_CTA_N:
-            if cta_n == 64 and SKIP_CTA64_ROWS[0] <= int(rows) <= SKIP_CTA64_ROWS[1]:
-                continue
             blocks = -(-weight_rows // cta_n) * active
             if blocks >= min_blocks:
                 if cta_n == 32 and blocks <= WIDE_MAX_BLOCKS and int(k) >= _WIDE_MIN_K:
