@@ -366,6 +366,12 @@ def bench(
     show_default=True,
     help="weight layout the GEMV reads: its split copy (gemv_order='split'), or the native bytes",
 )
+@click.option(
+    "--experts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="experts per weight set, which sets how the rows spread (default: the preset's, else 32)",
+)
 @click.option("--repeats", type=click.IntRange(min=3), default=20, show_default=True)
 def tune(
     preset: str | None,
@@ -374,6 +380,7 @@ def tune(
     dtype: str,
     rows: str,
     layout: str,
+    experts: int | None,
     repeats: int,
 ) -> None:
     """Profile the GEMV tilings for the given shapes; store the winners in the tuning cache."""
@@ -387,6 +394,7 @@ def tune(
     if preset is not None:
         p = PRESETS[preset]
         fmt = fmt or p.format
+        experts = experts or p.n_experts
         pairs += [(p.intermediate, p.hidden, "fc1"), (p.hidden, p.intermediate, "fc2")]
     if not pairs:
         raise click.UsageError("give --preset or at least one --shape N,K")
@@ -412,6 +420,7 @@ def tune(
                 rows_list=rows_list,
                 op=op,
                 layout=layout,
+                n_experts=experts or 32,
                 repeats=repeats,
                 progress=progress,
             )

@@ -166,3 +166,27 @@ def test_run_checkpoint(tmp_path, naming: str) -> None:
     assert _error(out) < 2e-2
     code, out = _run("run", "--checkpoint", str(path), "--layer", "0", "--top-k", "2")
     assert code == 1 and "Error:" in out and "layers" in out  # names the layers that exist
+
+
+def test_tune_spreads_rows_over_the_presets_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cupymoe tune --preset` times the preset's expert count (the routing density the layer
+    has); `--experts` overrides it, 32 without a preset; bad counts fail before any GPU work."""
+    import cupymoe.cli as cli_module
+    import cupymoe.tune as tune_module
+
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(cli_module, "_require_gpu", lambda command: None)
+    monkeypatch.setattr(tune_module, "tune_gemv", lambda shapes, **kw: calls.append(kw) or {})
+    runner = CliRunner()
+    for args, experts in (
+        (["--preset", "deepseek-v3"], 256),
+        (["--preset", "gpt-oss-20b"], 32),
+        (["--preset", "deepseek-v3", "--experts", "64"], 64),
+        (["--shape", "256,512"], 32),
+    ):
+        calls.clear()
+        result = runner.invoke(cli, ["tune", *args, "--rows", "8"])
+        assert result.exit_code == 0, result.output
+        assert calls and all(kw["n_experts"] == experts for kw in calls), (args, calls)
+    result = runner.invoke(cli, ["tune", "--preset", "deepseek-v3", "--experts", "0"])
+    assert result.exit_code == 2 and "--experts" in result.output
