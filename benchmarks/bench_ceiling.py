@@ -141,7 +141,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['preset']} | {r['tokens']} | {r['op']} | {r['mb']:.2f} | {r['ceiling_us']:.2f} "
-            f"| {100 * r['mb'] / r['ceiling_us'] / 1e6 / FLOOR_TBPS:.0f} % | {r['gemv_us']:.2f} "
+            f"| {100 * r['mb'] / r['ceiling_us'] / FLOOR_TBPS:.0f} % | {r['gemv_us']:.2f} "
             f"| {100 * r['ceiling_us'] / r['gemv_us']:.0f} % | {r['needs_us']:.2f} "
             f"| {'yes' if r['needs_us'] >= r['ceiling_us'] else 'no'} |"
         )

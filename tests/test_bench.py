@@ -113,3 +113,4 @@ def test_read_ceiling_bookkeeping() -> None:
     table = bc.markdown(rows).splitlines()
     assert table[2].endswith("| 10.00 | no |") and table[3].endswith("| 5.00 | no |")
     assert "| 88 % |" in table[2]  # the ceiling over the GEMV: 10.5 / 12
+    assert "| 10.50 | 76 % |" in table[2]  # 36 MB in 10.5 µs: 3.43 TB/s of 4.5
