@@ -546,9 +546,11 @@ __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__
 constexpr int kWarpMapBuckets = 33 * 8;
 constexpr int kWarpMapWords = 3 * kWarpMapBuckets;
 // Up to this many rows the ranks come from match.any, above it from the lane masks. match.any
-// takes longer the more distinct values the warp holds; the masks cost an atomic and a load
-// whatever the ids (H200, grouped sigmoid with PDL: M = 1 2.55 against 2.64 us; M = 4 2.88
-// against 2.78; M = 8 3.03 against 2.95).
+// takes longer the more distinct values the warp holds, the masks cost an atomic and a load
+// whatever the ids. H200, grouped sigmoid with PDL, M = 1 / 4 / 8, us: match.any throughout
+// 2.55 / 2.89 / 3.03, masks throughout 2.64 / 2.79 / 2.94; this split measured 2.69 / 2.80 / 2.97
+// against the masks' 2.68 / 2.82 / 3.01 in one run (a 16-row split: 2.70 / 2.80 / 2.99), and it
+// keeps route_fused<*, 1, 8> free of spills at sm_120 (8 bytes with the masks throughout).
 constexpr int kMatchRows = 8;
 __device__ __forceinline__ void zero_map_counts(int* cnt, int lane, int n) {
     int4* cnt4 = reinterpret_cast<int4*>(cnt);
