@@ -469,8 +469,9 @@ def tune_gemv(
             while bucket % top_k:
                 top_k -= 1
             n_tokens = bucket // top_k
-            # Calls (cycling over the sets) until they read l2_defeat_bytes: one set whose few
-            # active experts fit the L2 was timed from the L2 (Qwen FC1 at 32 rows, session 11).
+            # Calls (cycling over the sets) until they read l2_defeat_bytes: with many experts
+            # one set holds the whole budget, and a single routing of it would re-read the same
+            # few active experts from the L2 (Qwen FC1 at 32 rows: 256 experts, 1 set).
             active_bytes = min(bucket, n_experts) * expert_bytes
             n_calls = max(n_sets, min(64, -(-l2_defeat_bytes // active_bytes)))
             call_sets = [sets[i % n_sets] for i in range(n_calls)]
