@@ -94,17 +94,25 @@ def needs_us(mb: float) -> float:
     return mb / (TARGET_FRACTION * FLOOR_TBPS)
 
 
-def ceiling_us(nbytes: int, pool: Any, repeats: int) -> tuple[float, str]:
-    """(µs per launch, the winning shape) of the best streaming read of ``nbytes``."""
+@functools.cache
+def _read_kernels() -> dict[int, Any]:
+    """``read_stream<U>`` for each U of ``_UNROLLS``, built once per process."""
     import cupy
-
-    from cupymoe._timing import capture, median_event_us
 
     module = cupy.RawModule(
         code=_SOURCE,
         options=("-std=c++17",),
         name_expressions=[f"read_stream<{u}>" for u in _UNROLLS],
     )
+    return {u: module.get_function(f"read_stream<{u}>") for u in _UNROLLS}
+
+
+def ceiling_us(nbytes: int, pool: Any, repeats: int) -> tuple[float, str]:
+    """(µs per launch, the winning shape) of the best streaming read of ``nbytes``."""
+    import cupy
+
+    from cupymoe._timing import capture, median_event_us
+
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     n16 = nbytes // 16
     count = launches_for(n16 * 16, int(pool.nbytes))
@@ -112,8 +120,7 @@ def ceiling_us(nbytes: int, pool: Any, repeats: int) -> tuple[float, str]:
     out = cupy.zeros(1, dtype=cupy.uint32)
     stream = cupy.cuda.Stream(non_blocking=True)
     best = (math.inf, "")
-    for u in _UNROLLS:
-        kernel = module.get_function(f"read_stream<{u}>")
+    for u, kernel in _read_kernels().items():
         for threads in _THREADS:
             for per_sm in _BLOCKS_PER_SM:
                 if threads * per_sm > 2048:
