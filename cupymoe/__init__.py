@@ -4,6 +4,10 @@
 One MoE layer is routing -> expert maps -> FC1 GEMV with the gated activation fused -> FC2 GEMV
 -> finalize. Every GPU stage has a float64 NumPy reference beside it (``route`` / ``route_ref``).
 
+Layers, each importing only those below it: ``_runtime`` (backend, validators, the kernel loader,
+launches, timing) < ``formats`` < ``routing`` < ``experts`` < ``layer`` < ``io``, then the
+top-level ``presets``, ``testing``, ``bench`` and ``cli``.
+
 Dimension vocabulary, used in every docstring and error message:
 
 ``n_tokens`` (M)       tokens in the batch
@@ -18,10 +22,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .checkpoint import Checkpoint, CheckpointNaming, load_experts, save_experts
+from .experts import Activation, WeightLayout
 from .formats import Fp4Experts, Fp4Format, MxScaleRule
-from .gemv import Activation
-from .moe import Fc1Layout, MoELayer, moe_reference
+from .io import Checkpoint, CheckpointNaming, load_experts, save_experts
+from .layer import Fc1Layout, LayerGraph, MoELayer, moe_reference, record_graph
 from .presets import PRESETS, random_fp4_experts
 from .routing import Router, Routing, RoutingMethod
 
@@ -33,14 +37,17 @@ __all__ = [
     "Fc1Layout",
     "Fp4Experts",
     "Fp4Format",
+    "LayerGraph",
     "MoELayer",
     "MxScaleRule",
     "Router",
     "Routing",
     "RoutingMethod",
+    "WeightLayout",
     "__version__",
     "load_experts",
     "moe_reference",
     "random_fp4_experts",
+    "record_graph",
     "save_experts",
 ]

@@ -13,33 +13,42 @@ on the H200). Activations and routing metadata are not counted (they are kilobyt
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from ._backend import require_cupy
-from ._timing import median_event_us
-from .moe import MoELayer
+from ._runtime.backend import require_cupy
+from ._runtime.timing import capture, median_event_us
+from .formats import random_fp4_gpu
+from .layer import MoELayer, record_graph
+from .layer.device import STAGES
 from .presets import LayerShape
 from .routing import route_ref
 
 __all__ = [
     "HBM_READ_TBPS",
     "L2_BYTES",
+    "STAGES",
     "BenchResult",
     "bench_preset",
+    "capture",
     "expert_bytes",
+    "format_table",
+    "median_event_us",
     "stack_depth",
+    "write_csv",
+    "write_json",
 ]
 
 #: Measured HBM read bandwidth of the H200 (TB/s): the denominator of every floor.
 HBM_READ_TBPS = 4.5
 #: L2 of the H200; the stack touches at least 4x this per replay.
 L2_BYTES = 60 << 20
-STAGES = ("route", "fc1", "fc2", "finalize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +109,6 @@ def stack_depth(shape: LayerShape, *, max_weight_bytes: float = 48e9) -> int:
 
 def _random_layers(shape: LayerShape, n_layers: int, seed: int, max_tokens: int) -> list[MoELayer]:
     """Layers with random FP4 weights drawn on the GPU (no host quantization)."""
-    from .tune import random_fp4_gpu
 
     layers = []
     e, h, i = shape.n_experts, shape.hidden, shape.intermediate
@@ -132,7 +140,6 @@ def bench_preset(
     progress: Callable[[str], None] | None = None,
 ) -> list[BenchResult]:
     """Time ``shape`` at each token count: µs per layer (whole-layer graph) and per stage."""
-    from ._layer_gpu import record_graph
 
     cupy = require_cupy()
     n_layers = n_layers or stack_depth(shape)
@@ -150,7 +157,7 @@ def bench_preset(
         )
         xd = cupy.asarray(x)
         ld = [cupy.asarray(lg) for lg in logits]
-        if layers[0]._device().capturable(m):
+        if layers[0].device_layer().capturable(m):
             mode = "graph"
             whole = record_graph(layers, m, dtype, chain=False, inputs=(xd, ld))
             total = median_event_us(whole.replay, whole.stream, repeats=repeats)
@@ -224,3 +231,28 @@ def format_table(results: Sequence[BenchResult]) -> str:
             + f" | {r.eager_us:.1f} |"
         )
     return "\n".join([head, *rows])
+
+
+def write_json(path: str, results: Sequence[BenchResult], *, gpu: str, command: str) -> None:
+    """``results`` as one JSON document: the GPU, the HBM bandwidth of the floors, the command."""
+    document = {
+        "gpu": gpu,
+        "hbm_read_tbps": HBM_READ_TBPS,
+        "command": command,
+        "results": [r.as_dict() for r in results],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
+
+
+def write_csv(path: str, results: Sequence[BenchResult]) -> None:
+    """``results`` as CSV: one row per result, the stage times as ``<stage>_us`` columns last."""
+    flat = []
+    for record in (r.as_dict() for r in results):
+        stages = record.pop("stages_us")
+        flat.append({**record, **{f"{s}_us": v for s, v in stages.items()}})
+    fields = sorted({k for row in flat for k in row}, key=lambda k: (k.endswith("_us"), k))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(flat)

@@ -21,8 +21,12 @@ import ml_dtypes
 import numpy as np
 
 from . import __version__
-from ._backend import cupy_or_none, gpu_available
-from .config import WEIGHT_LAYOUTS
+from ._runtime.backend import cupy_or_none, gpu_available
+from ._runtime.compile import ENV_LINEINFO
+from ._runtime.device import device_name
+from ._runtime.launch import ENV_CLUSTERS, ENV_PDL
+from .experts.config import ENV_GEMV_CONFIG
+from .experts.layouts import WeightLayout
 from .presets import PRESETS, LayerShape, random_layer
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
@@ -83,7 +87,7 @@ def _checkpoint_layer(
     """Weights from a checkpoint; routing and activation from ``--preset`` (weights lack them)."""
     import dataclasses
 
-    from .checkpoint import load_experts
+    from .io import load_experts
 
     try:
         weights = load_experts(path, layer=layer, naming=naming)
@@ -176,7 +180,7 @@ def run(
 ) -> None:
     """Run one MoE layer on random (or loaded) weights; print the error against the reference
     and timings."""
-    from .moe import MoELayer, moe_reference
+    from .layer import MoELayer, moe_reference
     from .testing import relative_errors
 
     rng = np.random.default_rng(seed)
@@ -210,7 +214,7 @@ def run(
         sync = cupy.cuda.get_current_stream().synchronize
         seconds = _median_time(lambda: layer(xd, ld), repeats, sync)
         out_host = out.get()
-        click.echo(f"backend GPU ({cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()})")
+        click.echo(f"backend GPU ({device_name()})")
         click.echo(f"time    {seconds * 1e6:.1f} us per eager call (median of {repeats})")
         for stage, us in layer.stage_times(xd, ld).items():
             click.echo(f"  {stage:<10} {us:8.2f} us")
@@ -284,7 +288,7 @@ def bench(
     """Time whole layers: CUDA-graph replay over a stack of layers, µs and % of the HBM floor."""
     token_list = _int_list(tokens, "--tokens")
     _require_gpu("bench")
-    from .bench import HBM_READ_TBPS, bench_preset, format_table
+    from .bench import bench_preset, format_table, write_csv, write_json
 
     names = presets or tuple(PRESETS)
     results = []
@@ -307,40 +311,11 @@ def bench(
             )
             cupy_or_none().get_default_memory_pool().free_all_blocks()  # type: ignore[union-attr]
     click.echo(format_table(results))
-    if json_path or csv_path:
-        cupy = cupy_or_none()
-        assert cupy is not None
-        gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-        records = [r.as_dict() for r in results]
-        if json_path:
-            import json
-
-            with open(json_path, "w", encoding="utf-8") as f:
-                json.dump(
-                    {
-                        "gpu": gpu,
-                        "hbm_read_tbps": HBM_READ_TBPS,
-                        "command": " ".join(["cupymoe", *sys.argv[1:]]),
-                        "results": records,
-                    },
-                    f,
-                    indent=1,
-                )
-        if csv_path:
-            import csv
-
-            flat = [
-                {
-                    **{k: v for k, v in r.items() if k != "stages_us"},
-                    **{f"{s}_us": v for s, v in r["stages_us"].items()},
-                }
-                for r in records
-            ]
-            fields = sorted({k for row in flat for k in row}, key=lambda k: (k.endswith("_us"), k))
-            with open(csv_path, "w", newline="", encoding="utf-8") as f:
-                writer = csv.DictWriter(f, fieldnames=fields)
-                writer.writeheader()
-                writer.writerows(flat)
+    if json_path:
+        command = " ".join(["cupymoe", *sys.argv[1:]])
+        write_json(json_path, results, gpu=device_name(), command=command)
+    if csv_path:
+        write_csv(csv_path, results)
 
 
 @cli.command()
@@ -361,10 +336,10 @@ def bench(
 )
 @click.option(
     "--layout",
-    type=click.Choice(list(WEIGHT_LAYOUTS)),
-    default="split",
+    type=click.Choice([layout.key for layout in WeightLayout]),
+    default=WeightLayout.SPLIT.key,
     show_default=True,
-    help="weight layout the GEMV reads: its split copy (gemv_order='split'), or the native bytes",
+    help="weight layout the GEMV reads: its split copy, or the uploaded bytes (pair, plain)",
 )
 @click.option(
     "--experts",
@@ -399,10 +374,11 @@ def tune(
     if not pairs:
         raise click.UsageError("give --preset or at least one --shape N,K")
     _require_gpu("tune")
-    from .tune import cache_path, count_trials, tune_gemv
+    from .experts.cache import cache_path
+    from .experts.tune import count_trials, tune_gemv
 
     fmt = fmt or "nvfp4"
-    total = sum(count_trials([(n, k)], fmt=fmt, rows_list=rows_list) for n, k, _ in pairs)
+    total = count_trials([(n, k) for n, k, _ in pairs], rows_list=rows_list)
     with click.progressbar(length=total, label="tuning", file=sys.stderr) as bar:
         state = {"done": 0}
 
@@ -430,7 +406,6 @@ def tune(
 @cli.command()
 def info() -> None:
     """GPU, CuPy / NVRTC versions, cache paths and the environment variables in force."""
-    from ._compile import ENV_LINEINFO
 
     click.echo(f"cupymoe  {__version__}")
     click.echo(f"python   {platform.python_version()} ({sys.executable})")
@@ -449,10 +424,10 @@ def info() -> None:
         if gpu_available():
             props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
             click.echo(
-                f"gpu      {props['name'].decode()} (sm_{props['major']}{props['minor']}, "
+                f"gpu      {device_name()} (sm_{props['major']}{props['minor']}, "
                 f"{props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB)"
             )
-            from ._launch import pdl_enabled
+            from ._runtime.launch import pdl_enabled
 
             state = "on" if pdl_enabled() else "off (needs sm_90+, driver 12.3+, CUPYMOE_PDL!=0)"
             click.echo(f"pdl      programmatic dependent launches {state}")
@@ -460,14 +435,11 @@ def info() -> None:
             click.echo("gpu      none found; reference backend")
         cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
         click.echo(f"kernels  CuPy cache {cache}")
-    from .tune import cache_path
+    from .experts.cache import cache_path
 
     click.echo(f"tuning   {cache_path()}")
     click.echo("environment:")
-    from ._launch import ENV_PDL
-    from .config import ENV_GEMV_CONFIG
-
-    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL):
+    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS):
         click.echo(f"  {name}={os.environ.get(name, '')!s:<20} ")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import to_numpy
+from ._runtime.backend import to_numpy
 
 __all__ = ["TOLERANCES", "assert_close", "assert_equal", "relative_errors", "tolerance_for"]
 

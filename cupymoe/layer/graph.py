@@ -1,114 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GPU side of ``MoELayer``: prepared weights, workspaces, eager calls and CUDA graphs.
-
-Weights are uploaded and re-laid out once. Workspaces (routing maps, FC1 and FC2 outputs) are
-allocated for ``max_tokens`` once per activation dtype, so an eager call allocates only its
-output and a graph replay allocates nothing.
-"""
+"""CUDA graphs of whole layers (``record_graph``, ``LayerGraph``) and per-stage timing."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from ._backend import require_cupy
-from ._timing import capture, median_event_us
-from .finalize import finalize
-from .gemv import ROW_WINDOW, fc1, fc2, prepare_fc1, prepare_fc2
-from .routing import Routing, route
+from .._runtime.backend import require_cupy
+from .._runtime.timing import capture, median_event_us
+from .._runtime.validate import ACTIVATION_DTYPES
+from ..experts.dispatch import ROW_WINDOW, capturable
+from .device import STAGES, DeviceLayer
 
-__all__ = ["DeviceLayer", "LayerGraph", "record_graph"]
-
-#: The stages of one call, in order (``stage_times`` reports them under these names).
-STAGES = ("route", "fc1", "fc2", "finalize")
-
-
-@dataclasses.dataclass
-class _Workspace:
-    routing: Routing  # buffers for max_tokens; .prefix(M) gives the views of one call
-    h: Any  # [max_tokens * k, I] FC1 output (expanded order)
-    y: Any  # [max_tokens * k, H] FC2 output (expanded order)
-
-
-class DeviceLayer:
-    """Prepared device state of one :class:`~cupymoe.moe.MoELayer` (built on first GPU use)."""
-
-    def __init__(self, layer: Any) -> None:
-        cupy = require_cupy()
-        self.layer = layer
-        self.device_id = cupy.cuda.Device().id
-        self.fc1_weights = prepare_fc1(
-            layer.gate,
-            layer.up,
-            gate_bias=layer.gate_bias,
-            up_bias=layer.up_bias,
-            pair_interleaved=layer.pair_interleaved,
-            gemv_order=layer.gemv_order,
-        )
-        self.fc2_weights = prepare_fc2(
-            layer.down,
-            bias=layer.fc2_bias,
-            pair_interleaved=layer.pair_interleaved,
-            gemv_order=layer.gemv_order,
-        )
-        self._workspaces: dict[np.dtype, _Workspace] = {}
-
-    def workspace(self, dtype: Any) -> _Workspace:
-        """Buffers for ``max_tokens`` tokens of activation ``dtype`` (allocated once)."""
-        dtype = np.dtype(dtype)
-        ws = self._workspaces.get(dtype)
-        if ws is None:
-            cupy = require_cupy()
-            layer = self.layer
-            rows = layer.max_tokens * layer.top_k
-            ws = _Workspace(
-                routing=Routing.empty(layer.max_tokens, layer.n_experts, layer.top_k, xp=cupy),
-                h=cupy.empty((rows, layer.intermediate), dtype),
-                y=cupy.empty((rows, layer.hidden), dtype),
-            )
-            self._workspaces[dtype] = ws
-        return ws
-
-    def stage_calls(self, x: Any, logits: Any, out: Any) -> list[tuple[str, Callable[[], Any]]]:
-        """The four stage launches of one call on fixed buffers, as ``(name, call)`` pairs."""
-        layer = self.layer
-        m = int(x.shape[0])
-        rows = m * layer.top_k
-        ws = self.workspace(x.dtype)
-        routing = ws.routing.prefix(m)
-        h, y = ws.h[:rows], ws.y[:rows]
-        # Programmatic dependent launches (cupymoe/_launch.py): each stage starts while the one
-        # before it finishes; FC2 and finalize read the routing maps before their wait, which is
-        # sound because the stage before each of them ran after routing had completed.
-        return [
-            ("route", lambda: route(logits, layer.router, out=routing, pdl=True)),
-            (
-                "fc1",
-                lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h, pdl=True),
-            ),
-            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True)),
-            ("finalize", lambda: finalize(y, routing, out=out, pdl=True)),
-        ]
-
-    def run(self, x: Any, logits: Any, *, out: Any = None) -> Any:
-        """One eager call on the current stream; allocates only ``out`` when it is not given."""
-        cupy = require_cupy()
-        if out is None:
-            out = cupy.empty((x.shape[0], self.layer.hidden), x.dtype)
-        if x.shape[0] == 0:
-            return out
-        for _, call in self.stage_calls(x, logits, out):
-            call()
-        return out
-
-    def capturable(self, n_tokens: int) -> bool:
-        """Whether a call with ``n_tokens`` stays on the GEMV path (which a graph can record)."""
-        return n_tokens * self.layer.top_k <= ROW_WINDOW
+__all__ = ["LayerGraph", "record_graph", "time_stages"]
 
 
 class LayerGraph:
@@ -165,18 +72,18 @@ def record_graph(
             raise ValueError(f"layers[{i}]: hidden {layer.hidden} differs from {hidden}")
         if n_tokens < 1 or n_tokens > layer.max_tokens:
             raise ValueError(f"n_tokens: expected 1..{layer.max_tokens}, got {n_tokens}")
-        if n_tokens * layer.top_k > ROW_WINDOW:
+        if not capturable(n_tokens * layer.top_k):
             raise ValueError(
                 f"n_tokens: {n_tokens} tokens x top_k {layer.top_k} exceed the GEMV row window "
                 f"({ROW_WINDOW}); larger batches take the batched path, which cannot be recorded"
             )
     dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)):
+    if dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"dtype: expected bfloat16 or float16, got {dtype}")
     logits_dtype = np.dtype(logits_dtype)
     if logits_dtype not in (np.dtype(np.float32), np.dtype(np.float16), dtype):
         raise TypeError(f"logits_dtype: expected float32, float16 or {dtype}, got {logits_dtype}")
-    devices = [layer._device() for layer in layers]
+    devices = [layer.device_layer() for layer in layers]
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:  # every buffer is written on the graph's stream: no race with other streams
         x = cupy.zeros((n_tokens, hidden), dtype)

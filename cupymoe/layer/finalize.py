@@ -10,21 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from ._backend import is_cupy_array, require_cupy
-from ._compile import KernelSpec
-from ._launch import launch
-from .routing import Routing, check_device_routing
+from .._runtime.backend import is_cupy_array, require_cupy
+from .._runtime.compile import CTYPE, KernelSpec
+from .._runtime.launch import launch
+from ..routing import Routing, check_device_routing
 
 __all__ = ["finalize", "finalize_ref", "kernel_specs"]
 
-_CTYPE = {
-    np.dtype(np.float32): "float",
-    np.dtype(np.float16): "__half",
-    np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16",
-}
 MAX_TOP_K = 64
 
 
@@ -35,8 +29,8 @@ def _vec(dtype: np.dtype) -> int:
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`finalize` can launch (bias type = float or y's type)."""
     specs = []
-    for ty, cy in _CTYPE.items():
-        for co in _CTYPE.values():
+    for ty, cy in CTYPE.items():
+        for co in CTYPE.values():
             for cb in dict.fromkeys(("float", cy)):
                 for vec in (_vec(ty), 1):
                     specs.append(KernelSpec("finalize", "finalize_rows", (cy, co, cb, vec)))
@@ -100,9 +94,9 @@ def finalize(
     out_dtype : dtype, optional
         Output dtype when ``out`` is not given (default: y's dtype).
     pdl : bool
-        Make the launch a programmatic dependent launch (:mod:`cupymoe._launch`) that reads the
-        routing weights while the previous kernel finishes and waits for it before it reads
-        ``y``. Only when the previous kernel on the stream ran after ``routing`` was complete:
+        Make the launch a programmatic dependent launch (:mod:`cupymoe._runtime.launch`) that
+        reads the routing weights while the previous kernel finishes and waits for it before it
+        reads ``y``. Only when the previous kernel on the stream ran after ``routing`` was complete:
         the FC2 of this call, as in ``MoELayer``.
 
     Returns
@@ -118,7 +112,7 @@ def finalize(
             )
     m, hidden = _check(y, routing, bias)
     check_device_routing(routing)
-    if np.dtype(y.dtype) not in _CTYPE:
+    if np.dtype(y.dtype) not in CTYPE:
         raise TypeError(f"y: expected dtype bfloat16, float16 or float32, got {y.dtype}")
     if routing.top_k > MAX_TOP_K:
         raise ValueError(f"routing: top_k must be <= {MAX_TOP_K}, got {routing.top_k}")
@@ -130,12 +124,12 @@ def finalize(
         raise TypeError(f"bias: expected a contiguous float32 or {y.dtype} array, got {bias.dtype}")
     if out is None:
         dtype = np.dtype(y.dtype if out_dtype is None else out_dtype)
-        if dtype not in _CTYPE:
+        if dtype not in CTYPE:
             raise TypeError(f"out_dtype: expected bfloat16, float16 or float32, got {dtype}")
         out = cupy.empty((m, hidden), dtype)
     elif (
         tuple(out.shape) != (m, hidden)
-        or np.dtype(out.dtype) not in _CTYPE
+        or np.dtype(out.dtype) not in CTYPE
         or not out.flags.c_contiguous
     ):
         raise ValueError(
@@ -148,11 +142,11 @@ def finalize(
     ptrs = [(y, y.dtype), (out, out.dtype)] + ([(bias, bias.dtype)] if bias is not None else [])
     if hidden % vec or any(a.data.ptr % (vec * t.itemsize) for a, t in ptrs):
         vec = 1
-    cb = _CTYPE[np.dtype(bias.dtype)] if bias is not None else "float"
+    cb = CTYPE[np.dtype(bias.dtype)] if bias is not None else "float"
     spec = KernelSpec(
         "finalize",
         "finalize_rows",
-        (_CTYPE[np.dtype(y.dtype)], _CTYPE[np.dtype(out.dtype)], cb, vec),
+        (CTYPE[np.dtype(y.dtype)], CTYPE[np.dtype(out.dtype)], cb, vec),
     )
     threads = 64 if m <= 16 else 128
     launch(

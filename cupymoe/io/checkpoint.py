@@ -33,9 +33,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import to_numpy
-from .formats import Fp4Experts, Fp4Format, parse_enum
-from .safetensors_io import (
+from .._runtime.backend import to_numpy
+from .._runtime.validate import check_bias, parse_enum
+from ..formats import Fp4Experts, Fp4Format
+from .safetensors import (
     DTYPES,
     FLOATS,
     Checkpoint,
@@ -311,11 +312,10 @@ def _check(w: Any, name: str, fmt: Fp4Format) -> Fp4Experts:
 
 
 def _check_bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
-    b = None if value is None else to_numpy(value)
+    """A bias to write: checked, and of a dtype safetensors files store exactly (:data:`FLOATS`)."""
+    b = check_bias(None if value is None else to_numpy(value), name, shape, finite=False)
     if b is not None and b.dtype not in [DTYPES[d] for d in FLOATS]:
         raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {b.dtype}")
-    if b is not None and b.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {b.shape}")
     return b
 
 

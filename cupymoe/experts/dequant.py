@@ -1,104 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Expert weights on the GPU and their exact dequantization to a dense array.
+"""Exact dequantization of GPU expert weights to a dense array.
 
 ``dequantize(w)[s, n, k] = E2M1[nibble(e, n, k)] * scale(e, n, k // block) * global_scale[e]`` with
 ``e = experts[s]``. The GEMV kernels never materialise this array; the batched path above the row
-window (:mod:`cupymoe.batched`) does, for the active experts only, and hands it to cuBLAS.
+window (:mod:`.batched`) does, for the active experts only, and hands it to cuBLAS.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ._backend import is_cupy_array, require_cupy
-from ._compile import KernelSpec
-from ._launch import launch
-from .formats import ExpertShape, Fp4Experts, Fp4Format, to_pair_interleaved
+from .._runtime.backend import is_cupy_array, require_cupy
+from .._runtime.compile import CTYPE, KernelSpec
+from .._runtime.launch import launch
+from .._runtime.validate import device_output
+from ..formats import DeviceFp4, Fp4Experts, Fp4Format
 
-__all__ = ["OUT_DTYPES", "DeviceFp4", "dequantize", "dequantize_ref", "kernel_specs"]
+__all__ = ["OUT_DTYPES", "dequantize", "dequantize_ref", "kernel_specs"]
 
-#: Output dtypes of :func:`dequantize` and their C++ spelling in ``cuda/dequant.cu``.
-OUT_DTYPES: dict[np.dtype, str] = {
-    np.dtype(ml_dtypes.bfloat16): "__nv_bfloat16",
-    np.dtype(np.float16): "__half",
-    np.dtype(np.float32): "float",
-}
-
-#: ``kFormat`` template argument of each format (``common.cuh``: 0 = NVFP4, 1 = MXFP4).
-_FORMAT_CODE = {Fp4Format.NVFP4: 0, Fp4Format.MXFP4: 1}
+#: Output dtypes of :func:`dequantize`.
+OUT_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+)
 
 _THREADS = 256
 #: Grid cap of the grid-stride loop: enough resident blocks to saturate HBM on any current GPU.
 _MAX_BLOCKS = 65536
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceFp4(ExpertShape):
-    """Block-scaled E2M1 expert weights on the GPU, in the plain checkpoint layout.
-
-    ``w[e, n, k] = E2M1[nibble(e, n, k)] * scale(scales[e, n, k // block]) * global_scale[e]``.
-    """
-
-    format: Fp4Format
-    packed: Any  # cupy uint8 [E, N, K/2]; element 2i in the LOW nibble unless pair_interleaved
-    scales: Any  # cupy uint8 [E, N, K/block]; raw E4M3 (NVFP4) or E8M0 (MXFP4) bytes
-    global_scale: Any  # cupy float32 [E]; all ones for MXFP4
-    pair_interleaved: bool = False  # nibbles of each 32-bit word in the SM80 order of FORMATS.md
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.format, Fp4Format):
-            raise TypeError(f"format: expected an Fp4Format, got {self.format!r}")
-        for name, dtype in (
-            ("packed", np.uint8),
-            ("scales", np.uint8),
-            ("global_scale", np.float32),
-        ):
-            a = getattr(self, name)
-            if not is_cupy_array(a):
-                raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
-            if a.dtype != dtype:
-                raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {a.dtype}")
-            if not a.flags.c_contiguous:
-                raise ValueError(f"{name}: expected a C-contiguous array")
-        if self.packed.ndim != 3:
-            raise ValueError(f"packed: expected shape (E, N, K/2), got {self.packed.shape}")
-        e, n, half_k = self.packed.shape
-        block = self.format.block_size
-        if (2 * half_k) % block:
-            raise ValueError(f"packed: K = {2 * half_k} is not a multiple of the block {block}")
-        if self.scales.shape != (e, n, 2 * half_k // block):
-            raise ValueError(
-                f"scales: expected shape {(e, n, 2 * half_k // block)}, got {self.scales.shape}"
-            )
-        if self.global_scale.shape != (e,):
-            raise ValueError(f"global_scale: expected shape {(e,)}, got {self.global_scale.shape}")
-        # Value checks read the device once, at construction (never in a hot path).
-        if e and not bool(((self.global_scale > 0) & (self.global_scale < np.inf)).all()):
-            raise ValueError("global_scale: expected finite values > 0")
-        nan_byte = 0x7F if self.format is Fp4Format.NVFP4 else 0xFF
-        masked = self.scales & np.uint8(0x7F) if self.format is Fp4Format.NVFP4 else self.scales
-        if self.scales.size and bool((masked == nan_byte).any()):
-            raise ValueError(f"scales: NaN scale byte 0x{nan_byte:02X} ({self.format.scale_name})")
-
-    @classmethod
-    def from_experts(cls, w: Fp4Experts, *, pair_interleaved: bool = False) -> DeviceFp4:
-        """Upload host weights (re-ordering the nibbles when ``pair_interleaved``)."""
-        cupy = require_cupy()
-        packed = cupy.ascontiguousarray(cupy.asarray(w.packed, dtype=cupy.uint8))
-        if pair_interleaved:  # re-ordered on the GPU
-            packed = to_pair_interleaved(packed)
-        return cls(
-            format=w.format,
-            packed=packed,
-            scales=cupy.ascontiguousarray(cupy.asarray(w.scales, dtype=cupy.uint8)),
-            global_scale=cupy.ascontiguousarray(cupy.asarray(w.global_scale, dtype=cupy.float32)),
-            pair_interleaved=pair_interleaved,
-        )
 
 
 def _out_dtype(out_dtype: Any) -> np.dtype:
@@ -176,21 +109,15 @@ def dequantize(
             raise TypeError(f"experts: expected 1-D int32, got {experts.dtype} {experts.shape}")
         ids = cupy.ascontiguousarray(experts)
         n_out = int(ids.shape[0])
-    shape = (n_out, w.n, w.k)
-    if out is None:
-        out = cupy.empty(shape, dtype=dtype)
-    elif not is_cupy_array(out):
-        raise TypeError(f"out: expected a cupy.ndarray, got {type(out).__name__}")
-    elif out.shape != shape or out.dtype != dtype:
-        raise ValueError(f"out: expected {dtype.name} {shape}, got {out.dtype} {out.shape}")
-    elif not out.flags.c_contiguous or out.data.ptr % 16:
+    out = device_output(out, (n_out, w.n, w.k), dtype)
+    if out.data.ptr % 16:
         raise ValueError("out: expected a C-contiguous, 16-byte aligned array")
     if w.packed.data.ptr % 16:
         raise ValueError("w.packed: expected a 16-byte aligned array")
     if out.size == 0:
         return out
     spec = KernelSpec(
-        "dequant", "dequantize_fp4", (_FORMAT_CODE[w.format], OUT_DTYPES[dtype], w.pair_interleaved)
+        "dequant", "dequantize_fp4", (w.format.code, CTYPE[dtype], w.pair_interleaved)
     )
     words = 4 if w.k % 32 == 0 else 2  # codes per thread step: 32, or 16 when K % 32 != 0
     chunks = n_out * w.n * (w.k // (8 * words))
@@ -234,8 +161,8 @@ def dequantize_ref(
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`dequantize` can select: 2 formats x 3 dtypes x 2 orders."""
     return [
-        KernelSpec("dequant", "dequantize_fp4", (code, ctype, interleaved))
-        for code in _FORMAT_CODE.values()
-        for ctype in OUT_DTYPES.values()
+        KernelSpec("dequant", "dequantize_fp4", (fmt.code, CTYPE[dtype], interleaved))
+        for fmt in Fp4Format
+        for dtype in OUT_DTYPES
         for interleaved in (False, True)
     ]

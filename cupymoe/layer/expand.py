@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import is_cupy_array, require_cupy
-from ._compile import KernelSpec
-from ._launch import launch
-from .routing import Routing, check_device_routing
+from .._runtime.backend import is_cupy_array, require_cupy
+from .._runtime.compile import KernelSpec
+from .._runtime.launch import launch
+from ..routing import Routing, check_device_routing
 
 __all__ = ["expand", "expand_ref", "kernel_specs"]
 

@@ -23,7 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import to_numpy
+from .._runtime.backend import to_numpy
 
 __all__ = [
     "DTYPES",

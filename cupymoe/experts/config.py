@@ -9,26 +9,29 @@ are added in a fixed order: each config is bitwise deterministic, two configs di
 bits.
 
 Selection order in :meth:`GemvConfig.for_problem`: the environment variable
-``CUPYMOE_GEMV_CONFIG`` (``"cta_n=32,threads=128"``) > the tune cache
-(:func:`cupymoe.tune.lookup_tuned`) > the analytic table :data:`BLOCKS_FOR_CTA_N`.
+``CUPYMOE_GEMV_CONFIG`` (``"cta_n=32,threads=128"``) > the tune cache (:func:`lookup_tuned`,
+reading :mod:`.cache`; ``cupymoe tune`` writes it) > the analytic table :data:`BLOCKS_FOR_CTA_N`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
-from .formats import Fp4Format
+from ..formats import Fp4Format
+from . import cache
+from .layouts import CHUNK, WeightLayout
 
 __all__ = [
     "BLOCKS_FOR_CTA_N",
-    "WIDE_MAX_BLOCKS",
     "ENV_GEMV_CONFIG",
     "ROW_WINDOW",
     "TILINGS",
-    "WEIGHT_LAYOUTS",
+    "WIDE_MAX_BLOCKS",
     "GemvConfig",
+    "lookup_tuned",
 ]
 
 #: Environment variable forcing one tiling for every GEMV call, e.g. ``"cta_n=32,threads=128"``.
@@ -36,14 +39,6 @@ ENV_GEMV_CONFIG = "CUPYMOE_GEMV_CONFIG"
 
 #: Expanded rows above which fc1/fc2 switch to the batched (dequantize + cuBLAS) path.
 ROW_WINDOW = 64
-
-#: Codes per lane per load (16 bytes): fixed by the kernel.
-CHUNK = 32
-
-#: The weight layouts a GEMV kernel reads, by its ``kOrder`` template argument: row-major words in
-#: the plain or the pair-interleaved nibble order (``gemv_order="native"``), or the GEMV's own
-#: tiled split-order copy (``gemv_order="split"``). Tilings are tuned per layout.
-WEIGHT_LAYOUTS: tuple[str, ...] = ("plain", "pair", "split")
 
 #: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them). The warps
 #: of a block split K. 4 warps: at most 128 registers per thread at cta_n 64 (4 blocks, 16 warps
@@ -62,7 +57,7 @@ BLOCKS_FOR_CTA_N: tuple[tuple[int, int], ...] = ((480, 64), (300, 32))
 #: Where the table picks cta_n 32 for at most this many blocks (3 blocks of 8 warps per SM x 132
 #: SMs: one wave) and K has at least 64 chunks (two steps of 8 warps x 4 chunks), the blocks get 8
 #: warps instead of 4: twice the warps on the SMs of a launch that fills under half a wave.
-#: gpt-oss FC2 at M = 1 (360 blocks, K 2880), H200: 10.86 -> 9.12 µs (session 6).
+#: gpt-oss FC2 at M = 1 (360 blocks, K 2880), H200: 10.86 -> 9.12 µs.
 WIDE_MAX_BLOCKS = 396
 _WIDE_MIN_K = 64 * CHUNK
 _SMALLEST_CTA_N = 16
@@ -107,15 +102,14 @@ class GemvConfig:
 
     @staticmethod
     def analytic(
-        *, n: int, k: int, rows: int, fmt: Any, gated: bool = False, n_experts: int | None = None
+        *, n: int, k: int, rows: int, gated: bool = False, n_experts: int | None = None
     ) -> GemvConfig:
         """The threshold-table choice (no environment, no cache); see :data:`BLOCKS_FOR_CTA_N`.
 
         ``rows`` expanded rows touch at most ``min(rows, n_experts)`` experts (the table counts
         that many); ``gated`` doubles the weight rows (FC1); ``k`` only matters for
-        :data:`WIDE_MAX_BLOCKS`.
+        :data:`WIDE_MAX_BLOCKS`. The format does not enter: both read the same bytes per code.
         """
-        Fp4Format.parse(fmt, "fmt")
         weight_rows = int(n) * (2 if gated else 1)
         active = int(rows) if n_experts is None else min(int(rows), int(n_experts))
         for min_blocks, cta_n in BLOCKS_FOR_CTA_N:
@@ -138,7 +132,7 @@ class GemvConfig:
         dtype: Any = None,
         gated: bool = False,
         n_experts: int | None = None,
-        layout: str = "split",
+        layout: WeightLayout | str = WeightLayout.SPLIT,
     ) -> GemvConfig:
         """The config for one GEMV call: environment > tune cache > analytic table.
 
@@ -149,22 +143,21 @@ class GemvConfig:
         rows : int
             Expanded rows of the call.
         fmt : Fp4Format or str
+            The weight format (the tune-cache key).
         device_name : str
             GPU name (the tune-cache key); ``""`` skips the cache.
         dtype : dtype, optional
             Activation dtype (the tune-cache key); ``None`` skips the cache.
         gated, n_experts : optional
             FC1 (gate + up rows) and the expert count, for the analytic table.
-        layout : str
-            The weight layout the kernel reads (:data:`WEIGHT_LAYOUTS`; the tune-cache key).
+        layout : WeightLayout
+            The weight layout the kernel reads (the tune-cache key).
         """
+        fmt = Fp4Format.parse(fmt, "fmt")
         env = os.environ.get(ENV_GEMV_CONFIG, "").strip()
         if env:
             return cls.parse(env)
         if device_name and dtype is not None:
-            from .tune import lookup_tuned
-
-            op = "fc1" if gated else "fc2"
             tuned = lookup_tuned(
                 device_name=device_name,
                 fmt=fmt,
@@ -172,15 +165,29 @@ class GemvConfig:
                 n=n,
                 k=k,
                 rows=rows,
-                op=op,
+                op="fc1" if gated else "fc2",
                 layout=layout,
             )
             if tuned is not None:
                 return tuned
-        return cls.analytic(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)
+        return cls.analytic(n=n, k=k, rows=rows, gated=gated, n_experts=n_experts)
 
     @staticmethod
-    def candidates(*, n: int, k: int, fmt: Any) -> list[GemvConfig]:
-        """Every tiling worth timing for the shape: all of :data:`TILINGS` (each fits any N, K)."""
-        Fp4Format.parse(fmt, "fmt")
+    def candidates() -> list[GemvConfig]:
+        """Every tiling worth timing: all of :data:`TILINGS` (each fits any N and K)."""
         return [GemvConfig(c, t) for c, t in TILINGS]
+
+
+def lookup_tuned(*, path: Any = None, **problem: Any) -> GemvConfig | None:
+    """The tuned config of a problem (the keywords of :func:`.cache.tuned_fields`), or ``None``
+    when the cache has none or its entry no longer makes a valid :class:`GemvConfig` (then with
+    a warning)."""
+    fields = cache.tuned_fields(**problem, path=path)
+    if fields is None:
+        return None
+    try:
+        return GemvConfig(**fields)
+    except (TypeError, ValueError) as error:  # fields of an older GemvConfig
+        where = path or cache.cache_path()
+        warnings.warn(f"cupymoe tune cache {where}: entry unusable ({error})", stacklevel=3)
+        return None

@@ -15,17 +15,21 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ._backend import gpu_available, is_cupy_array, require_cupy
+from .._runtime.backend import gpu_available, is_cupy_array, require_cupy, to_numpy
+from .._runtime.validate import ACTIVATION_DTYPES, check_bias, check_int
+from ..experts.activation import Activation, ActivationSpec
+from ..experts.layouts import DEFAULT_LAYOUT, WeightLayout
+from ..experts.reference import fc1_ref, fc2_ref
+from ..formats import Fp4Experts
+from ..routing import Router, RoutingMethod, route_ref
+from .device import DeviceLayer
 from .expand import expand_ref
 from .finalize import finalize_ref
-from .formats import Fp4Experts
-from .gemv import Activation, ActivationSpec, _gemv_order, fc1_ref, gemv_ref
-from .routing import Router, RoutingMethod, route_ref
+from .graph import LayerGraph, record_graph, time_stages
 
 __all__ = ["Fc1Layout", "MoELayer", "moe_reference"]
 
-_ACTIVATION_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
-_LOGIT_DTYPES = (*_ACTIVATION_DTYPES, np.dtype(np.float32), np.dtype(np.float64))
+_LOGIT_DTYPES = (*ACTIVATION_DTYPES, np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Fc1Layout(enum.Enum):
@@ -80,18 +84,11 @@ def _split_fc1(
 
 
 def _bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
-    if value is None:
+    """A host float32 copy of a checked bias (read-only), or ``None``."""
+    b = check_bias(None if value is None else to_numpy(value), name, shape)
+    if b is None:
         return None
-    from ._backend import to_numpy
-
-    b = to_numpy(value)
-    if b.dtype.kind != "f" and b.dtype != np.dtype(ml_dtypes.bfloat16):
-        raise TypeError(f"{name}: expected a floating-point array, got dtype {b.dtype}")
-    if b.shape != shape:
-        raise ValueError(f"{name}: expected shape {shape}, got {b.shape}")
     b = b.astype(np.float32)
-    if not np.all(np.isfinite(b)):
-        raise ValueError(f"{name}: contains NaN or Inf")
     b.setflags(write=False)
     return b
 
@@ -123,13 +120,11 @@ class MoELayer:
     fc2_bias : array [E, H], optional
     max_tokens : int
         Largest ``n_tokens`` per call; GPU workspaces are sized for it.
-    pair_interleaved : bool
-        Store the GPU weights in the SM80 pair-interleaved nibble order (the default: the GEMV
-        decodes it with fewer instructions than the plain order; both give identical results).
-    gemv_order : str, optional
-        The weight layout the GEMV reads (:data:`cupymoe.gemv.GEMV_ORDERS`): ``"split"`` (the
-        default, :data:`cupymoe.gemv.DEFAULT_GEMV_ORDER`; fastest, a second copy of the weights on
-        the GPU) or ``"native"`` (the uploaded bytes themselves). Results are identical.
+    weight_layout : WeightLayout or {"split", "pair", "plain"}
+        The weight layout the GEMV reads (:class:`~cupymoe.WeightLayout`): ``"split"`` (the
+        default; fastest, a second copy of the weights on the GPU), or the uploaded bytes
+        themselves in the pair-interleaved (``"pair"``) or plain (``"plain"``) nibble order.
+        Results are identical.
 
     Notes
     -----
@@ -156,8 +151,7 @@ class MoELayer:
         fc1_bias: Any = None,
         fc2_bias: Any = None,
         max_tokens: int = 64,
-        pair_interleaved: bool = True,
-        gemv_order: str | None = None,
+        weight_layout: WeightLayout | str = DEFAULT_LAYOUT,
     ) -> None:
         gate, up, gate_rows, up_rows = _split_fc1(fc1, fc1_layout)
         if not isinstance(fc2, Fp4Experts):
@@ -168,8 +162,7 @@ class MoELayer:
                 f"fc2: expected experts x rows x cols = ({n_experts}, {hidden}, {intermediate}) "
                 f"to match fc1, got ({fc2.n_experts}, {fc2.n}, {fc2.k})"
             )
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int | np.integer):
-            raise TypeError(f"max_tokens: expected int, got {type(max_tokens).__name__}")
+        check_int("max_tokens", max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         if not isinstance(activation, Activation):
@@ -191,9 +184,8 @@ class MoELayer:
         self.up_bias = None if b1 is None else np.ascontiguousarray(b1[:, up_rows])
         self.fc2_bias = _bias(fc2_bias, "fc2_bias", (n_experts, hidden))
         self.max_tokens = int(max_tokens)
-        self.pair_interleaved = bool(pair_interleaved)
-        self.gemv_order = _gemv_order(gemv_order)  # ValueError before any upload
-        self._gpu: Any = None  # prepared device weights and workspaces, built on first GPU use
+        self.weight_layout = WeightLayout.parse(weight_layout, "weight_layout")  # before any upload
+        self._gpu: DeviceLayer | None = None  # built on first GPU use (device_layer)
         self._warned_reference = False
 
     # ---- shapes ------------------------------------------------------------------------------
@@ -238,7 +230,7 @@ class MoELayer:
             raise TypeError("x and router_logits: expected both NumPy or both CuPy arrays")
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected shape (n_tokens, {self.hidden}), got {tuple(x.shape)}")
-        if np.dtype(x.dtype) not in _ACTIVATION_DTYPES:
+        if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
             raise TypeError(f"x: expected dtype bfloat16 or float16, got {x.dtype}")
         m = int(x.shape[0])
         if router_logits.ndim != 2 or tuple(router_logits.shape) != (m, self.n_experts):
@@ -311,7 +303,7 @@ class MoELayer:
             ld = ld.astype(np.float32)
         if out is not None:
             _check_out(out, (m, self.hidden), x.dtype, device=on_device)
-        result = self._device().run(xd, ld, out=out if on_device else None)
+        result = self.device_layer().run(xd, ld, out=out if on_device else None)
         if on_device:
             return result
         host = result.get()
@@ -320,15 +312,13 @@ class MoELayer:
             return out
         return host
 
-    def graph(self, n_tokens: int, *, dtype: Any = ml_dtypes.bfloat16) -> Any:
+    def graph(self, n_tokens: int, *, dtype: Any = ml_dtypes.bfloat16) -> LayerGraph:
         """Record this layer into a CUDA graph with static buffers for ``n_tokens`` tokens.
 
-        Returns a :class:`~cupymoe._layer_gpu.LayerGraph`: copy the inputs into ``g.x`` and
+        Returns a :class:`~cupymoe.LayerGraph`: copy the inputs into ``g.x`` and
         ``g.logits[0]``, call ``g.replay()``, read ``g.out``. Replays give bitwise the results of
         eager calls. ``n_tokens * top_k`` must stay within the GEMV row window (64).
         """
-        from ._layer_gpu import record_graph
-
         return record_graph([self], n_tokens, dtype)
 
     def stage_times(self, x: Any, router_logits: Any, *, repeats: int = 50) -> dict[str, float]:
@@ -338,15 +328,13 @@ class MoELayer:
         CUDA events, so host launch cost is excluded. Weights stay in L2 between replays: use
         ``cupymoe bench`` for HBM-bound figures.
         """
-        from ._layer_gpu import time_stages
-
         self.check_inputs(x, router_logits)
-        return time_stages(self._device(), x, router_logits, repeats=repeats)
+        return time_stages(self.device_layer(), x, router_logits, repeats=repeats)
 
-    def _device(self) -> Any:
+    def device_layer(self) -> DeviceLayer:
+        """The prepared GPU state of this layer on the current device (weights uploaded and laid
+        out once, workspaces for ``max_tokens``), built on first use."""
         if self._gpu is None:
-            from ._layer_gpu import DeviceLayer
-
             self._gpu = DeviceLayer(self)
         return self._gpu
 
@@ -403,8 +391,6 @@ def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
     >>> cm.moe_reference(x, rng.standard_normal((3, 4)).astype(np.float32), layer).shape
     (3, 64)
     """
-    from ._backend import to_numpy
-
     if not isinstance(layer, MoELayer):
         raise TypeError(f"layer: expected a MoELayer, got {type(layer).__name__}")
     x = to_numpy(x)
@@ -421,5 +407,5 @@ def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
         gate_bias=layer.gate_bias,
         up_bias=layer.up_bias,
     )
-    y = gemv_ref(h, layer.down, routing.expert_offsets, bias=layer.fc2_bias)
+    y = fc2_ref(h, layer.down, routing.expert_offsets, bias=layer.fc2_bias)
     return finalize_ref(y, routing)

@@ -7,8 +7,8 @@
 
 This path is **not capturable** in a CUDA graph: it reads ``routing.expert_offsets`` back to the
 host (one synchronisation) to find the active experts and their row slices, and it allocates its
-workspaces per call. :func:`cupymoe.gemv.fc1` / :func:`cupymoe.gemv.fc2` switch to it only above
-the row window (64 expanded rows), where a prefill-sized batch amortises both.
+workspaces per call. :mod:`.dispatch` sends calls here above the GEMV row window (64 expanded
+rows), where a prefill-sized batch amortises both.
 
 Numerics: weights are dequantized exactly to float32 (global scale included, one fp32 rounding),
 activations are widened to float32 (exact), and the experts' products are float32 batched
@@ -21,54 +21,31 @@ float32, then one RNE rounding to the dtype of ``x`` / ``h``.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from ._backend import device_output, is_cupy_array, require_cupy
-from .dequant import DeviceFp4, dequantize
+from .._runtime.backend import is_cupy_array, require_cupy
+from .._runtime.validate import check_activations, check_bias, device_output
+from ..formats import DeviceFp4
+from ..routing import Routing, check_device_routing
+from .activation import ActivationSpec, activation_device
+from .dequant import dequantize
 
-if TYPE_CHECKING:  # gemv imports this module: no runtime import back
-    from .gemv import ActivationSpec
-    from .routing import Routing
-
-__all__ = ["WORKSPACE_BYTES", "apply_activation", "block_indices", "fc1_batched", "fc2_batched"]
+__all__ = ["WORKSPACE_BYTES", "block_indices", "fc1_batched", "fc2_batched"]
 
 #: Bytes of float32 dequantized weights held at once (the experts are decoded in chunks of this
 #: size, so a DeepSeek-V3 layer of 256 x 2048 x 7168 never needs 15 GB at once).
 WORKSPACE_BYTES = 512 << 20
 
-_ACT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
-
-def _check_rows_input(a: Any, name: str, rows: int | None, width: int) -> None:
-    """A 2-D bf16/fp16 CuPy array ``[rows, width]`` (``rows=None``: any row count)."""
-    if not is_cupy_array(a):
-        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(a).__name__}")
-    if a.dtype not in _ACT_DTYPES:
-        raise TypeError(f"{name}: expected dtype bfloat16 or float16, got {a.dtype}")
-    if a.ndim != 2 or a.shape[1] != width or (rows is not None and a.shape[0] != rows):
-        expected = ("n_tokens" if rows is None else rows, width)
-        raise ValueError(f"{name}: expected shape {expected}, got {a.shape}")
-
-
-def _check_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
-    if bias is None:
-        return None
-    cupy = require_cupy()
-    if not is_cupy_array(bias) and not isinstance(bias, np.ndarray):
-        raise TypeError(f"{name}: expected a float32 array, got {type(bias).__name__}")
-    if bias.shape != (n_experts, n):
-        raise ValueError(f"{name}: expected shape {(n_experts, n)}, got {bias.shape}")
-    return cupy.asarray(bias, dtype=cupy.float32)
+def _device_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
+    b = check_bias(bias, name, (n_experts, n), finite=False)
+    return None if b is None else require_cupy().asarray(b, dtype=np.float32)
 
 
 def _routing_arrays(routing: Any, n_experts: int) -> tuple[int, Any, np.ndarray]:
     """``(top_k, sorted_rows, host expert_offsets)``; the one host synchronisation."""
-    from .routing import check_device_routing
-
     _, top_k = check_device_routing(routing, n_experts=n_experts)
     offsets = routing.expert_offsets
     if offsets.shape != (n_experts + 1,):
@@ -146,29 +123,6 @@ def _grouped_matmul(
     return results
 
 
-def apply_activation(gate: Any, up: Any, act: ActivationSpec) -> Any:
-    """``act(gate, up)`` in float32 CuPy array ops (the formulas of ``gemv.activation_ref``).
-
-    ``swiglu``: ``silu(gate) * up``; ``geglu``: ``gelu_erf(gate) * up``; ``swiglu_oai``:
-    ``g * sigmoid(alpha * g) * (u + 1)``, ``g = min(gate, limit)``, ``u = clip(up, -limit, limit)``.
-    """
-    cupy = require_cupy()
-    kind = getattr(act.kind, "value", act.kind)
-    if kind == "swiglu":
-        return gate / (1.0 + cupy.exp(-gate)) * up
-    if kind == "geglu":
-        from cupyx.scipy.special import erf
-
-        half = np.float32(0.5)
-        return half * gate * (1.0 + erf(gate * np.float32(1.0 / math.sqrt(2.0)))) * up
-    if kind == "swiglu_oai":
-        alpha, limit = np.float32(act.alpha), np.float32(act.limit)
-        g = cupy.minimum(gate, limit)
-        u = cupy.clip(up, -limit, limit)
-        return g / (1.0 + cupy.exp(-alpha * g)) * (u + 1.0)
-    raise ValueError(f"act: expected swiglu, geglu or swiglu_oai, got {kind!r}")
-
-
 def fc1_batched(
     x: Any,
     gate: DeviceFp4,
@@ -218,21 +172,21 @@ def fc1_batched(
             f"got {(up.n_experts, up.n, up.k)}"
         )
     n_experts, inter, hidden = gate.n_experts, gate.n, gate.k
-    _check_rows_input(x, "x", None, hidden)
+    check_activations(x, "x", hidden)
     top_k, sorted_rows, offsets = _routing_arrays(routing, n_experts)
     if routing.topk_ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"routing: expected {x.shape[0]} tokens (x.shape[0]), got {routing.topk_ids.shape[0]}"
         )
-    gate_bias = _check_bias(gate_bias, "gate_bias", n_experts, inter)
-    up_bias = _check_bias(up_bias, "up_bias", n_experts, inter)
+    gate_bias = _device_bias(gate_bias, "gate_bias", n_experts, inter)
+    up_bias = _device_bias(up_bias, "up_bias", n_experts, inter)
     rows = int(sorted_rows.shape[0])
     out = device_output(out, (rows, inter), x.dtype)
     if rows == 0:
         return out
     x_sorted = x[sorted_rows // top_k].astype(cupy.float32)
     g, u = _grouped_matmul(x_sorted, (gate, up), (gate_bias, up_bias), offsets)
-    out[...] = apply_activation(g, u, act).astype(x.dtype)
+    out[...] = activation_device(g, u, act).astype(x.dtype)
     return out
 
 
@@ -269,8 +223,8 @@ def fc2_batched(
         raise TypeError(f"down: expected a DeviceFp4, got {type(down).__name__}")
     _, sorted_rows, offsets = _routing_arrays(routing, down.n_experts)  # h: expanded order
     rows = int(sorted_rows.shape[0])
-    _check_rows_input(h, "h", rows, down.k)
-    bias = _check_bias(bias, "bias", down.n_experts, down.n)
+    check_activations(h, "h", down.k, rows)
+    bias = _device_bias(bias, "bias", down.n_experts, down.n)
     out = device_output(out, (rows, down.n), h.dtype)
     if rows == 0:
         return out

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from ._backend import require_cupy
+from .backend import require_cupy
 
 __all__ = ["capture", "median_event_us"]
 

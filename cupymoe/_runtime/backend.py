@@ -58,21 +58,3 @@ def to_numpy(a: Any) -> np.ndarray:
     if is_cupy_array(a):
         return a.get()
     return np.asarray(a)
-
-
-def device_output(out: Any, shape: tuple[int, ...], dtype: Any, name: str = "out") -> Any:
-    """``out`` checked as a C-contiguous ``cupy.ndarray`` of ``shape`` and ``dtype``, or a new
-    one when ``out`` is ``None``."""
-    cupy = require_cupy()
-    dtype = np.dtype(dtype)
-    if out is None:
-        return cupy.empty(shape, dtype=dtype)
-    if not is_cupy_array(out):
-        raise TypeError(f"{name}: expected a cupy.ndarray, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
-        raise ValueError(
-            f"{name}: expected {dtype.name} {tuple(shape)}, got {out.dtype} {tuple(out.shape)}"
-        )
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array")
-    return out

@@ -17,7 +17,8 @@ before they read what the previous kernel wrote and before they write anything.
 
 Clusters (sm_90 and newer): ``launch(..., cluster=C)`` groups every C consecutive blocks along x
 into a cluster, co-scheduled on one GPC, whose blocks can reach each other's shared memory (the
-decode routing, ``routing.fused_cluster_size``). CuPy has no ``cuLaunchKernelEx``; it is called
+decode routing, ``routing.route.fused_cluster_size``). CuPy has no ``cuLaunchKernelEx``; it is
+called
 through ``ctypes`` on ``libcuda``.
 """
 
@@ -31,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import require_cupy
-from ._compile import KernelSpec, get_kernel
+from .backend import require_cupy
+from .compile import KernelSpec, get_kernel
+from .device import current_device
 
 __all__ = [
     "ENV_CLUSTERS",
@@ -45,8 +47,8 @@ __all__ = [
 
 #: ``CUPYMOE_PDL=0`` turns programmatic dependent launches off (every launch is an ordinary one).
 ENV_PDL = "CUPYMOE_PDL"
-#: ``CUPYMOE_CLUSTERS=0``: no thread-block clusters (the decode routing runs as one block).
-#: compute-sanitizer's racecheck did not finish a cluster launch of the routing (H200, session 10).
+#: ``CUPYMOE_CLUSTERS=0``: no thread-block clusters (the decode routing runs as one block). For
+#: compute-sanitizer: its racecheck did not finish a cluster launch of the routing on the H200.
 ENV_CLUSTERS = "CUPYMOE_CLUSTERS"
 
 _SCALAR_TYPES = (np.int32, np.uint32, np.int64, np.uint64, np.float32, np.float64, np.bool_)
@@ -212,7 +214,7 @@ def cluster_supported() -> bool:
     through ``cuLaunchKernelEx``) and ``CUPYMOE_CLUSTERS`` is not ``0``."""
     if _switched_off(ENV_CLUSTERS):
         return False
-    return _device_supports_clusters(_current_device())
+    return _device_supports_clusters(current_device())
 
 
 def pdl_enabled() -> bool:
@@ -220,11 +222,7 @@ def pdl_enabled() -> bool:
     device: sm_90+, driver 12.3+, and ``CUPYMOE_PDL`` not ``0``."""
     if _switched_off(ENV_PDL):
         return False
-    return _device_supports_pdl(_current_device())
-
-
-def _current_device() -> int:
-    return int(require_cupy().cuda.Device().id)
+    return _device_supports_pdl(current_device())
 
 
 def launch(

@@ -1,0 +1,28 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Facts about the current CUDA device (never device 0 unless it is the current one)."""
+
+from __future__ import annotations
+
+import functools
+
+from .backend import require_cupy
+
+__all__ = ["current_device", "device_name"]
+
+
+def current_device() -> int:
+    """Id of the current CUDA device."""
+    return int(require_cupy().cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=16)
+def _name(device_id: int) -> str:
+    props = require_cupy().cuda.runtime.getDeviceProperties(device_id)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def device_name(device_id: int | None = None) -> str:
+    """Name of the current CUDA device (or of ``device_id``), as in tune-cache keys
+    (``"NVIDIA H200"``); read once per device."""
+    return _name(current_device() if device_id is None else device_id)

@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Offline compile: NVRTC only, no GPU, no CUDA driver.
+
+:func:`compile_offline` compiles any list of specialisations to machine code for a named
+architecture, from the text the run-time loader compiles (:func:`~.compile.kernel_source`), and
+reports what ptxas says about each (registers, stack, spills). The test suite compiles
+:func:`~.compile.all_kernel_specs` this way for sm_80 … sm_120.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from . import compile as loader
+from .backend import require_cupy
+from .compile import KernelSpec
+
+__all__ = [
+    "OfflineResult",
+    "compile_offline",
+    "nvrtc_module",
+    "offline_options",
+    "supported_offline_archs",
+]
+
+_PTXAS_USAGE = re.compile(
+    r"Function properties for (?P<name>\S+)\s*\n.*?(?P<stack>\d+) bytes stack frame, "
+    r"(?P<spill_st>\d+) bytes spill stores, (?P<spill_ld>\d+) bytes spill loads"
+    r"(?:.*?\n.*?Used (?P<regs>\d+) registers)?",
+    re.DOTALL,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineResult:
+    """What ptxas reported for one specialisation compiled offline."""
+
+    spec: KernelSpec
+    arch: str
+    lowered_name: str
+    registers: int
+    stack_bytes: int
+    spill_bytes: int  # spill stores + spill loads
+
+
+def nvrtc_module() -> Any:
+    require_cupy()
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def _cuda_include_dirs() -> list[str]:
+    """Directories holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for an offline compile."""
+    dirs: list[str] = []
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:  # cuda-pathfinder absent or too old
+        pass
+    home = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    if os.path.isdir(os.path.join(home, "include")):
+        dirs.append(os.path.join(home, "include"))
+    return dirs
+
+
+def supported_offline_archs() -> list[str]:
+    """The ``sm_XX`` targets this NVRTC can generate code for."""
+    return [f"sm_{a}" for a in nvrtc_module().getSupportedArchs()]
+
+
+def offline_options(arch: str) -> list[str]:
+    """NVRTC options of an offline compile for ``arch``: the loader's, plus ``-ftz=true`` as CuPy
+    adds, plus the CUDA header directories."""
+    return [
+        f"--gpu-architecture={arch}",
+        *loader.compile_options(),
+        "-ftz=true",
+        *(f"-I{d}" for d in _cuda_include_dirs()),
+    ]
+
+
+def _compile_program(
+    stage: str, specs: Sequence[KernelSpec], arch: str, options: list[str]
+) -> list[OfflineResult]:
+    """One NVRTC program of ``stage`` holding ``specs``: compile it, read the ptxas report."""
+    nvrtc = nvrtc_module()
+    program = nvrtc.createProgram(loader.kernel_source(stage), f"{stage}.cu", [], [])
+    try:
+        for spec in specs:
+            nvrtc.addNameExpression(program, spec.expression)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(f"{stage}.cu failed to compile for {arch}:\n{log}") from error
+        log = nvrtc.getProgramLog(program)
+        usage = {m.group("name"): m for m in _PTXAS_USAGE.finditer(log)}
+        results = []
+        for spec in specs:
+            lowered = nvrtc.getLoweredName(program, spec.expression)
+            m = usage.get(lowered)
+            results.append(
+                OfflineResult(
+                    spec=spec,
+                    arch=arch,
+                    lowered_name=lowered,
+                    registers=int(m.group("regs") or 0) if m else -1,
+                    stack_bytes=int(m.group("stack")) if m else -1,
+                    spill_bytes=(int(m.group("spill_st")) + int(m.group("spill_ld"))) if m else -1,
+                )
+            )
+        return results
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def compile_offline(
+    specs: Sequence[KernelSpec], arch: str, *, workers: int | None = None
+) -> list[OfflineResult]:
+    """Compile ``specs`` to machine code for ``arch`` (``"sm_90"``) with NVRTC and no GPU.
+
+    The specs of one stage are split into ``workers`` NVRTC programs (default: one per CPU, at
+    most 8) of the text the run-time loader compiles, with the same options plus ``-ftz=true`` as
+    CuPy adds, compiled in parallel worker processes (spawned, not threads: nothing relies on
+    NVRTC's thread safety, and a compiler crash surfaces as an error here instead of ending this
+    process). One program is compiled in this process. Results come in the order of
+    ``specs``. Raises ``RuntimeError`` with the compiler log when a stage fails to compile.
+    """
+    n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
+    if n_workers < 1:
+        raise ValueError(f"workers: expected >= 1, got {workers}")
+    by_stage: dict[str, list[KernelSpec]] = {}
+    for spec in specs:
+        by_stage.setdefault(spec.stage, []).append(spec)
+    options = [*offline_options(arch), "--ptxas-options=-v"]
+    jobs = []
+    for stage, stage_specs in by_stage.items():
+        size = -(-len(stage_specs) // n_workers)
+        jobs += [(stage, stage_specs[i : i + size]) for i in range(0, len(stage_specs), size)]
+    if n_workers == 1 or len(jobs) == 1:
+        parts = [_compile_program(stage, chunk, arch, options) for stage, chunk in jobs]
+    else:
+        context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+        with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=context) as pool:
+            futures = [pool.submit(_compile_program, st, ch, arch, options) for st, ch in jobs]
+            parts = [f.result() for f in futures]
+    by_spec = {r.spec: r for part in parts for r in part}
+    return [by_spec[spec] for spec in specs]

@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+// The decode routing: top-k and the expert maps in one launch (M * k <= 64, E <= 256, k <= 8).
+#include "maps.cuh"
+#include "topk.cuh"
+
+// Routing and the expert maps in ONE launch (decode). A cluster of C blocks (C = 1: a plain
+// launch; C > 1 needs sm_90 and a cluster launch), each of W routing warps and one maps warp (the
+// last). Block r routes tokens r, r + C, ...; routing warp w of block r takes every (C W)-th of
+// them from r + C w. Block 0's maps warp builds the maps from the ids staged in block 0's shared
+// memory: its own routing warps stage theirs and arrive on barrier 1 (then go on to the token's
+// weights); the other blocks' warps store theirs there with st.async, which counts the bytes on
+// an mbarrier of block 0 (no release fence: with mbarrier.arrive.release.cluster instead, the
+// launch took 0.15 us longer at M = 2 .. 8). The maps warps of blocks r > 0 only exit. Several
+// blocks are for the issue slots: with two routing warps on a scheduler every phase of a token
+// slows down (routing/route.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
+constexpr int kMapsBarrier = 1;
+
+// (blocks in this block's cluster, its rank there): (1, 0) without a cluster launch or sm_90.
+__device__ __forceinline__ uint2 cluster_place() {
+    uint2 c = make_uint2(1u, 0u);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm("mov.u32 %0, %%cluster_nctarank;\n\tmov.u32 %1, %%cluster_ctarank;"
+        : "=r"(c.x), "=r"(c.y));
+#endif
+    return c;
+}
+
+template <typename T, int kMethod, int kN>
+__global__ void __launch_bounds__(288) route_fused(
+    const T* __restrict__ logits, long long ld, int n_tokens, int E, int k, int n_group,
+    int topk_group, float scale, int renormalize, const float* __restrict__ bias,
+    int* __restrict__ topk_ids, float* __restrict__ topk_weights, int* __restrict__ offsets,
+    int* __restrict__ sorted_rows, int* __restrict__ inverse, int* __restrict__ active,
+    int active_len) {
+    __shared__ float scratch[kMethod == 2 ? 8 * 512 : 1];
+    __shared__ int ids_s[64];
+    __shared__ __align__(16) int cnt[rt::kWarpMapWords];
+    __shared__ __align__(8) unsigned long long remote_ids;  // mbarrier: the other blocks' ids
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int n_route = (blockDim.x >> 5) - 1;
+    const uint2 place = cluster_place();
+    const int n_cta = (int)place.x, rank = (int)place.y;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (n_cta > 1) {  // block-uniform. Block 0 sets up the mbarrier, published by the cluster
+        // barrier that every thread arrives on here and the other blocks wait on before storing.
+        if (rank == 0 && threadIdx.x == 0) {
+            const int own = (n_tokens + n_cta - 1) / n_cta;  // block 0's tokens
+            const unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                         "r"((n_tokens - own) * k * 4)
+                         : "memory");
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+    }
+#endif
+    cm::wait_upstream();  // the logits, and every buffer written here, belong to earlier kernels
+    if (warp == n_route) {
+        if (rank != 0) return;
+        rt::zero_map_counts(cnt, lane, n_tokens * k);
+        asm volatile("bar.sync %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+        if (n_cta > 1) {
+            const unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+            unsigned done = 0;
+            while (!done)
+                asm volatile(
+                    "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, "
+                    "[%1], 0; selp.u32 %0, 1, 0, p; }"
+                    : "=r"(done)
+                    : "r"(bar)
+                    : "memory");
+        }
+#endif
+        rt::build_maps_warp(ids_s, n_tokens * k, E, offsets, sorted_rows, inverse, active,
+                            active_len, cnt);
+        return;
+    }
+    const int first = rank + n_cta * warp, step = n_cta * n_route;
+    if (rank == 0 && first >= n_tokens)
+        asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+    for (int t = first; t < n_tokens; t += step) {
+        float val[kN], sig[kN];
+        uint32_t top;
+        const uint64_t mine = rt::select_token_warp<T, kMethod, kN>(
+            logits + t * ld, E, k, n_group, topk_group, bias, scratch + warp * 512, lane, val,
+            sig, top);
+        const int id = rt::key_expert(mine);
+        if (rank == 0) {
+            if (lane < k) ids_s[t * k + lane] = id;
+            if (t + step >= n_tokens)  // this warp's last token: its ids are all staged
+                asm volatile("bar.arrive %0, %1;" ::"n"(kMapsBarrier), "r"(blockDim.x) : "memory");
+        } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            if (t == first) asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+            if (lane < k) {
+                unsigned dst = (unsigned)__cvta_generic_to_shared(&ids_s[t * k + lane]);
+                unsigned bar = (unsigned)__cvta_generic_to_shared(&remote_ids);
+                asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(dst));
+                asm volatile("mapa.shared::cluster.u32 %0, %0, 0;" : "+r"(bar));
+                asm volatile(
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];"
+                    ::"r"(dst), "r"(id), "r"(bar)
+                    : "memory");
+            }
+#endif
+        }
+        const float w =
+            rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
+        if (lane < k) {
+            topk_ids[t * k + lane] = id;
+            topk_weights[t * k + lane] = w;
+        }
+    }
+}

@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU side of ``MoELayer``: prepared weights, workspaces, and the stage plan of one call.
+
+Weights are uploaded and re-laid out once. Workspaces (routing maps, FC1 and FC2 outputs) are
+allocated for ``max_tokens`` once per activation dtype, so an eager call allocates only its
+output and a graph replay allocates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._runtime.backend import require_cupy
+from ..experts.dispatch import capturable, fc1, fc2
+from ..experts.gemv import prepare_fc1, prepare_fc2
+from ..routing import Routing, route
+from .finalize import finalize
+
+__all__ = ["STAGES", "DeviceLayer", "Stage"]
+
+#: The stages of one call, in order (``stage_times`` reports them under these names).
+STAGES = ("route", "fc1", "fc2", "finalize")
+
+#: One step of the plan: its name (one of :data:`STAGES`) and the call that launches it.
+Stage = tuple[str, Callable[[], Any]]
+
+
+@dataclasses.dataclass
+class _Workspace:
+    routing: Routing  # buffers for max_tokens; .prefix(M) gives the views of one call
+    h: Any  # [max_tokens * k, I] FC1 output (expanded order)
+    y: Any  # [max_tokens * k, H] FC2 output (expanded order)
+
+
+class DeviceLayer:
+    """Prepared device state of one :class:`~.moe.MoELayer` (built on first GPU use)."""
+
+    def __init__(self, layer: Any) -> None:
+        cupy = require_cupy()
+        self.layer = layer
+        self.device_id = cupy.cuda.Device().id
+        self.fc1_weights = prepare_fc1(
+            layer.gate,
+            layer.up,
+            gate_bias=layer.gate_bias,
+            up_bias=layer.up_bias,
+            layout=layer.weight_layout,
+        )
+        self.fc2_weights = prepare_fc2(layer.down, bias=layer.fc2_bias, layout=layer.weight_layout)
+        self._workspaces: dict[np.dtype, _Workspace] = {}
+
+    def workspace(self, dtype: Any) -> _Workspace:
+        """Buffers for ``max_tokens`` tokens of activation ``dtype`` (allocated once)."""
+        dtype = np.dtype(dtype)
+        ws = self._workspaces.get(dtype)
+        if ws is None:
+            cupy = require_cupy()
+            layer = self.layer
+            rows = layer.max_tokens * layer.top_k
+            ws = _Workspace(
+                routing=Routing.empty(layer.max_tokens, layer.n_experts, layer.top_k, xp=cupy),
+                h=cupy.empty((rows, layer.intermediate), dtype),
+                y=cupy.empty((rows, layer.hidden), dtype),
+            )
+            self._workspaces[dtype] = ws
+        return ws
+
+    def stage_calls(self, x: Any, logits: Any, out: Any) -> list[Stage]:
+        """The plan of one call on fixed buffers: its stages in order, as ``(name, call)``.
+
+        Eager calls run the list, graphs record it and ``stage_times`` times each entry. The plan
+        is a list so that stages can be inserted: expert parallelism adds its exchanges (tokens
+        to the experts' devices after ``route``, results back before ``finalize``) here.
+        """
+        layer = self.layer
+        m = int(x.shape[0])
+        rows = m * layer.top_k
+        ws = self.workspace(x.dtype)
+        routing = ws.routing.prefix(m)
+        h, y = ws.h[:rows], ws.y[:rows]
+        # Programmatic dependent launches (cupymoe/_runtime/launch.py): each stage starts while the
+        # one before it finishes; FC2 and finalize read the routing maps before their wait, which is
+        # sound because the stage before each of them ran after routing had completed.
+        return [
+            ("route", lambda: route(logits, layer.router, out=routing, pdl=True)),
+            (
+                "fc1",
+                lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h, pdl=True),
+            ),
+            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True)),
+            ("finalize", lambda: finalize(y, routing, out=out, pdl=True)),
+        ]
+
+    def run(self, x: Any, logits: Any, *, out: Any = None) -> Any:
+        """One eager call on the current stream; allocates only ``out`` when it is not given."""
+        cupy = require_cupy()
+        if out is None:
+            out = cupy.empty((x.shape[0], self.layer.hidden), x.dtype)
+        if x.shape[0] == 0:
+            return out
+        for _, call in self.stage_calls(x, logits, out):
+            call()
+        return out
+
+    def capturable(self, n_tokens: int) -> bool:
+        """Whether a call with ``n_tokens`` stays on a backend a graph can record."""
+        return capturable(n_tokens * self.layer.top_k)

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU routing: choose ``top_k`` experts per token and group the expanded rows by expert.
+
+``route`` (GPU) and ``route_ref`` (NumPy) make the same choices, bit for bit:
+
+* **Keys.** Logits are converted to float32 (exact for float16 / bfloat16). Experts are ranked by
+  a score, ties go to the lower expert id, always. A NaN score ranks below every number,
+  including ``-inf``; ``-0.0`` equals ``+0.0``.
+* **softmax_topk.** Selection by logit (softmax is monotone: selecting by logit is exact and
+  avoids ties created by rounding the probabilities). ``m`` = the largest non-NaN logit;
+  numerator ``q_i = exp(l_i - m)``, with ``q_i = 1`` where ``l_i == m`` (so with ``+inf`` logits
+  the mass is shared by the ``+inf`` entries; with only ``-inf`` logits, by all of them) and
+  ``q_i = 0`` for NaN. Weights ``q_j / sum_i q_i`` (all experts), or ``q_j / sum_{chosen} q``
+  with ``renormalize``. A row of only NaN gets experts ``0..k-1`` with weight 0.
+* **topk_softmax.** The same choice; weights ``q_j / sum_{chosen} q`` (identical to
+  ``softmax_topk`` with ``renormalize``).
+* **sigmoid_grouped.** ``s = sigmoid(l)`` and the choice score ``c = s + correction_bias`` in
+  float32 by a *defined* sequence of IEEE round-to-nearest float32 operations
+  (:func:`sigmoid_f32`, mirrored in ``cuda/routing_math.cuh``), so selection, which depends on the
+  rounding of ``c``, is reproduced exactly. Group score = sum (float32) of the two largest ``c``
+  of the group (a NaN expert counts as ``-inf``); the ``topk_group`` best groups are kept (ties:
+  lower group); top-k of ``c`` over the kept experts (NaN experts of kept groups rank last).
+  Weights ``s_j / sum_{chosen} s * routed_scaling_factor`` (``renormalize``; 0 when the sum is
+  0) or ``s_j * routed_scaling_factor``; NaN experts have ``s = 0``.
+
+Weights of the GPU path equal the reference's to float32 rounding; ids and maps are exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._runtime.backend import is_cupy_array, require_cupy
+from .._runtime.compile import CTYPE, KernelSpec
+from .._runtime.launch import cluster_supported, launch
+from .maps import GPU_MAX_EXPERTS, maps_launch
+from .types import Router, Routing, RoutingMethod, check_device_routing, check_logits
+
+__all__ = [
+    "FUSED_MAX_ROWS",
+    "GPU_MAX_EXPERTS",
+    "GPU_MAX_TOP_K",
+    "fused_cluster_size",
+    "kernel_specs",
+    "route",
+]
+
+#: GPU limits: warp kernels (and the fused decode launch) up to these; the block kernel beyond.
+WARP_MAX_EXPERTS, WARP_MAX_TOP_K = 256, 8
+GPU_MAX_TOP_K = 64
+#: One launch for routing and maps when M * k <= this (and the warp kernel applies).
+FUSED_MAX_ROWS = 64
+
+
+def _kmethod(router: Router) -> int:
+    if router.method is RoutingMethod.SIGMOID_GROUPED:
+        return 2
+    if router.method is RoutingMethod.TOPK_SOFTMAX or router.renormalize:
+        return 1
+    return 0
+
+
+def _warp_keys(n_experts: int, top_k: int) -> int:
+    per_lane = -(-n_experts // 32)
+    return max(1 << (per_lane - 1).bit_length(), 1 << (top_k - 1).bit_length())
+
+
+def kernel_specs() -> list[KernelSpec]:
+    """Every specialisation :func:`route` can launch (the maps: :func:`.maps.kernel_specs`)."""
+    specs = []
+    for ctype in dict.fromkeys(CTYPE.values()):
+        for method in (0, 1, 2):
+            specs.append(KernelSpec("route", "route_block", (ctype, method)))
+            for n in (1, 2, 4, 8):
+                specs.append(KernelSpec("route", "route_warp", (ctype, method, n)))
+                specs.append(KernelSpec("route_fused", "route_fused", (ctype, method, n)))
+    return specs
+
+
+def route(logits: Any, router: Router, *, out: Routing | None = None, pdl: bool = False) -> Routing:
+    """Top-k routing and expert maps on the GPU; same semantics as :func:`route_ref`.
+
+    Parameters
+    ----------
+    logits : cupy.ndarray [n_tokens, n_experts]
+        float16, bfloat16 or float32; rows may be strided, the expert axis must be contiguous.
+    router : Router
+        ``n_experts <= 2048`` and ``top_k <= 64`` on the GPU.
+    out : Routing, optional
+        Preallocated CuPy arrays with exactly the shapes and dtypes of the result, C-contiguous
+        (``Routing.empty(max_tokens, E, k).prefix(M)`` gives valid views). With ``out`` no
+        memory is allocated and nothing synchronises: the call can be captured in a CUDA graph
+        (after one warm-up call that compiles the kernels and copies ``correction_bias``).
+    pdl : bool
+        Make the one-launch path a programmatic dependent launch (:mod:`cupymoe._launch`): it
+        may start while the previous kernel on the stream finishes, and waits for it before it
+        reads ``logits`` or writes anything. Safe after any kernel.
+
+    Returns
+    -------
+    Routing
+        ``out`` when given. One launch when ``M * k <= 64``, ``E <= 256`` and ``k <= 8``;
+        otherwise a routing launch then :func:`expert_maps`.
+    """
+    cupy = require_cupy()
+    if not is_cupy_array(logits):
+        raise TypeError(
+            f"logits: expected cupy.ndarray (use route_ref for NumPy), got {type(logits).__name__}"
+        )
+    check_logits(logits, router, tuple(CTYPE))
+    e, k, m = router.n_experts, router.top_k, int(logits.shape[0])
+    if e > GPU_MAX_EXPERTS or k > GPU_MAX_TOP_K:
+        raise ValueError(
+            f"router: the GPU path supports n_experts <= {GPU_MAX_EXPERTS} and "
+            f"top_k <= {GPU_MAX_TOP_K}, got {e} and {k}"
+        )
+    item = logits.dtype.itemsize
+    if m > 1 and (logits.strides[0] % item or logits.strides[0] < e * item):
+        raise ValueError(f"logits: expected a row stride that is a multiple of {item} bytes")
+    if m > 0 and e > 1 and logits.strides[1] != item:  # an empty array's strides mean nothing
+        raise ValueError("logits: the expert axis must be contiguous")
+    if out is None:
+        out = Routing.empty(m, e, k, xp=cupy)
+    else:
+        check_device_routing(out, n_tokens=m, n_experts=e, top_k=k, name="out")
+    grouped = router.method is RoutingMethod.SIGMOID_GROUPED
+    bias = router.device_bias() if grouped else None
+    ld = np.int64(logits.strides[0] // item if m > 1 else e)
+    kmethod, ctype = _kmethod(router), CTYPE[np.dtype(logits.dtype)]
+    head = (logits, ld)
+    tail = (
+        np.int32(router.n_group or 1),
+        np.int32(router.topk_group or 1),
+        np.float32(router.routed_scaling_factor),
+        np.int32(router.renormalize),
+        bias,
+        out.topk_ids,
+        out.topk_weights,
+    )
+    n = m * k
+    if m == 0:
+        maps_launch(out.topk_ids, 0, e, out)
+        return out
+    if e <= WARP_MAX_EXPERTS and k <= WARP_MAX_TOP_K:
+        keys = _warp_keys(e, k)
+        if n <= FUSED_MAX_ROWS:
+            spec = KernelSpec("route_fused", "route_fused", (ctype, kmethod, keys))
+            ctas = fused_cluster_size(m, cluster_supported())
+            launch(
+                spec,
+                ctas,
+                32 * (min(-(-m // ctas), 8) + 1),  # routing warps + the maps warp
+                (
+                    *head,
+                    np.int32(m),
+                    np.int32(e),
+                    np.int32(k),
+                    *tail,
+                    out.expert_offsets,
+                    out.sorted_rows,
+                    out.inverse,
+                    out.active_experts,
+                    np.int32(min(n, e)),
+                ),
+                pdl=pdl,
+                cluster=ctas,
+            )
+            return out
+        spec = KernelSpec("route", "route_warp", (ctype, kmethod, keys))
+        launch(spec, -(-m // 4), 128, (*head, np.int32(m), np.int32(e), np.int32(k), *tail))
+    else:
+        n_group = router.n_group or 1
+        spec = KernelSpec("route", "route_block", (ctype, kmethod))
+        launch(
+            spec,
+            m,
+            256,
+            (*head, np.int32(e), np.int32(k), *tail),
+            shared_mem=(2 * e + 2 * n_group) * 4,
+        )
+    maps_launch(out.topk_ids, n, e, out)
+    return out
+
+
+def fused_cluster_size(m: int, clusters: bool) -> int:
+    """Blocks (one thread-block cluster when above 1) of the one-launch routing of ``m`` tokens:
+    enough for one routing warp per scheduler, ``ceil(m / 4)`` up to 8, where the device has
+    clusters (``clusters``, sm_90+), else 1.
+
+    H200 (``bench_routing.py``, E 256, top-8, µs, PDL): at M = 8 one block 2.65 (softmax top-k)
+    and 3.52 (grouped sigmoid), ceil(M / 4) = 2 blocks 2.44 and 3.02, one block per token 2.43
+    and 3.00: two routing warps on a scheduler (M > 4) cost every phase of a token. At M = 2 / 4 a
+    block per token buys nothing (grouped 2.75 / 2.89 against 2.76 / 2.89), and ordinary launches
+    of clusters cost more (grouped M = 2: 3.28 -> 3.52).
+    """
+    return min(-(-m // 4), 8) if clusters and m > 4 else 1
