@@ -111,7 +111,7 @@ def ceiling_us(nbytes: int, pool: Any, repeats: int) -> tuple[float, str]:
     """(µs per launch, the winning shape) of the best streaming read of ``nbytes``."""
     import cupy
 
-    from cupymoe._timing import capture, median_event_us
+    from cupymoe.bench import capture, median_event_us
 
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     n16 = nbytes // 16
@@ -182,11 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), file=sys.stderr)
     print(markdown(rows))
     if args.json_path:
+        from cupymoe.bench import device_name
+
         with open(args.json_path, "w", encoding="utf-8") as f:
             json.dump(
                 {
                     "command": " ".join(["benchmarks/bench_ceiling.py", *(argv or sys.argv[1:])]),
-                    "device": cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+                    "device": device_name(),
                     "gemv_json": args.gemv_json,
                     "floor_tbps": FLOOR_TBPS,
                     "results": rows,

@@ -35,11 +35,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from cupymoe import gemv
-from cupymoe._timing import capture, median_event_us
-from cupymoe.formats import Fp4Format
+from cupymoe import experts
+from cupymoe.bench import capture, device_name, median_event_us
+from cupymoe.formats import Fp4Format, random_fp4_gpu
 from cupymoe.presets import PRESETS, LayerShape
-from cupymoe.tune import device_name, random_fp4_gpu
 
 L2_BYTES = 60 << 20
 FLOOR_TBPS = 4.5
@@ -55,7 +54,7 @@ def _cupy() -> Any:
 
 def _row_window() -> int:
     try:
-        from cupymoe.config import ROW_WINDOW
+        from cupymoe.experts.config import ROW_WINDOW
     except ImportError:
         return 64
     return int(ROW_WINDOW)
@@ -96,11 +95,7 @@ def build_stack(
     """``n_layers`` x (PreparedFc1, PreparedFc2) with distinct random weights; ``order``: the
     weights the GEMV reads, ``"split"`` (the library's default layout) or the uploaded bytes
     themselves in the ``"pair"``-interleaved or ``"plain"`` nibble order."""
-    kw: dict[str, Any] = (
-        {"gemv_order": "split"}
-        if order == "split"
-        else {"gemv_order": "native", "pair_interleaved": order == "pair"}
-    )
+    kw: dict[str, Any] = {"layout": experts.WeightLayout.parse(order)}
     e, h, i, fmt = shape.n_experts, shape.hidden, shape.intermediate, shape.format
     rng = np.random.default_rng(seed)
     stack = []
@@ -112,15 +107,15 @@ def build_stack(
         def bias(n: int) -> np.ndarray | None:
             return rng.standard_normal((e, n)).astype(np.float32) * 0.1 if shape.biases else None
 
-        fc1 = gemv.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i), **kw)
-        fc2 = gemv.prepare_fc2(down, bias=bias(h), **kw)
+        fc1 = experts.prepare_fc1(gate, up, gate_bias=bias(i), up_bias=bias(i), **kw)
+        fc2 = experts.prepare_fc2(down, bias=bias(h), **kw)
         stack.append((fc1, fc2))
         del gate, up, down
     return stack
 
 
 def make_routing(rng: np.random.Generator, n_tokens: int, shape: LayerShape) -> Any:
-    """Routing of random logits by ``cupymoe.routing.route`` (softmax top-k, on the GPU).
+    """Routing of random logits by ``cupymoe.routing.topk`` (softmax top-k, on the GPU).
 
     Every preset is routed by softmax top-k here: which experts are picked matters to the GEMV,
     how their weights are computed does not.
@@ -144,11 +139,11 @@ def _stack_calls(
 
     def fc1_all() -> None:
         for (fc1, _), routing, out in zip(stack, routings, hs, strict=True):
-            gemv.fc1(x, fc1, routing, act=act, out=out)
+            experts.fc1(x, fc1, routing, act=act, out=out)
 
     def fc2_all() -> None:
         for (_, fc2), routing, h, out in zip(stack, routings, hs, ys, strict=True):
-            gemv.fc2(h, fc2, routing, out=out)
+            experts.fc2(h, fc2, routing, out=out)
 
     return fc1_all, fc2_all
 
@@ -169,7 +164,7 @@ def bench_preset(
     h, i, k = shape.hidden, shape.intermediate, shape.top_k
     print(f"[{shape.name}] building {n_layers} layers of random weights ...", file=sys.stderr)
     stack = build_stack(shape, n_layers, seed, order=order)
-    act = gemv.ActivationSpec(gemv.Activation(shape.activation))
+    act = experts.ActivationSpec(experts.Activation(shape.activation))
     rng = np.random.default_rng(seed + 1)
     rows_out = []
     for m in tokens:

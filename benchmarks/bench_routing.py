@@ -31,9 +31,9 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupymoe._timing import capture, median_event_us
-from cupymoe.expand import expand
-from cupymoe.finalize import finalize
+from cupymoe.bench import capture, device_name, median_event_us
+from cupymoe.layer.expand import expand
+from cupymoe.layer.finalize import finalize
 from cupymoe.routing import Router, Routing, RoutingMethod, route
 
 BF16 = ml_dtypes.bfloat16
@@ -123,7 +123,7 @@ def main() -> None:
     tokens = [int(t) for t in a.tokens.split(",")]
     dtype = np.float32 if a.logits == "fp32" else BF16
     rows = bench(tokens, a.experts, a.top_k, a.hidden, a.calls, a.repeats, dtype, a.pdl)
-    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = device_name()
     print(
         f"{name}, E {a.experts}, top-{a.top_k}, {a.logits} logits, graph of {a.calls} calls, "
         f"median of {a.repeats}, PDL {'on' if a.pdl else 'off'}"

@@ -14,10 +14,10 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupymoe.gemv import ActivationSpec, fc1, fc2, prepare_fc1, prepare_fc2
+from cupymoe.experts import ActivationSpec, fc1, fc2, prepare_fc1, prepare_fc2
+from cupymoe.formats import random_fp4_gpu
 from cupymoe.presets import PRESETS
 from cupymoe.routing import Router, route
-from cupymoe.tune import random_fp4_gpu
 
 
 def main() -> None:

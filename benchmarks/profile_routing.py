@@ -14,7 +14,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
-from cupymoe.finalize import finalize
+from cupymoe.layer.finalize import finalize
 from cupymoe.routing import Router, route
 
 

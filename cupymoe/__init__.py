@@ -20,8 +20,7 @@ Dimension vocabulary, used in every docstring and error message:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .experts import Activation, WeightLayout
 from .formats import Fp4Experts, Fp4Format, MxScaleRule
 from .io import Checkpoint, CheckpointNaming, load_experts, save_experts

@@ -1,6 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Whole-layer benchmark: CUDA-graph replay over a stack of layers with distinct weights.
 
+Also the timing tools the benchmarks in ``benchmarks/`` build on: :func:`median_event_us` (CUDA
+events around launches), :func:`capture` (a CUDA graph of a call) and :func:`device_name`.
+
 A decode step runs many layers, each reading its own experts from HBM. One layer replayed
 alone would find its experts in the 60 MB L2 and look faster than it is, so the benchmark builds
 a stack of ``L`` layers whose experts touched at one token exceed 4x the L2, records the stack
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._runtime.backend import require_cupy
+from ._runtime.device import device_name
 from ._runtime.timing import capture, median_event_us
 from .formats import random_fp4_gpu
 from .layer import MoELayer, record_graph
@@ -37,6 +41,7 @@ __all__ = [
     "BenchResult",
     "bench_preset",
     "capture",
+    "device_name",
     "expert_bytes",
     "format_table",
     "median_event_us",

@@ -20,11 +20,11 @@ import click
 import ml_dtypes
 import numpy as np
 
-from . import __version__
 from ._runtime.backend import cupy_or_none, gpu_available
 from ._runtime.compile import ENV_LINEINFO
 from ._runtime.device import device_name
 from ._runtime.launch import ENV_CLUSTERS, ENV_PDL
+from ._version import __version__
 from .experts.config import ENV_GEMV_CONFIG
 from .experts.layouts import WeightLayout
 from .presets import PRESETS, LayerShape, random_layer

@@ -8,6 +8,10 @@
 
 NaN or Inf in ``out`` where ``ref`` is finite always fails, so NaN-poisoned output buffers catch
 every element a kernel forgot to write.
+
+For tools that inspect the kernels (``scripts/sass.py``, CI's offline compile), the loader's
+text and the offline NVRTC compile are re-exported here: ``kernel_source``, ``all_kernel_specs``,
+``compile_offline``, ``offline_options``, ``nvrtc_module``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,21 @@ from typing import Any
 import numpy as np
 
 from ._runtime.backend import to_numpy
+from ._runtime.compile import all_kernel_specs, kernel_source
+from ._runtime.offline import compile_offline, nvrtc_module, offline_options
 
-__all__ = ["TOLERANCES", "assert_close", "assert_equal", "relative_errors", "tolerance_for"]
+__all__ = [
+    "TOLERANCES",
+    "all_kernel_specs",
+    "assert_close",
+    "assert_equal",
+    "compile_offline",
+    "kernel_source",
+    "nvrtc_module",
+    "offline_options",
+    "relative_errors",
+    "tolerance_for",
+]
 
 #: (max_rel, rms_rel) by the dtype the GPU writes. bf16 has an 8-bit significand: one output
 #: rounding gives <= 2^-9 relative; fp32 accumulation over K <= 8192 adds far less.

@@ -16,9 +16,10 @@ import ml_dtypes
 import numpy as np
 
 import cupymoe as cm
-from cupymoe.dequant import DeviceFp4, dequantize, dequantize_ref
-from cupymoe.expand import expand, expand_ref
-from cupymoe.finalize import finalize, finalize_ref
+from cupymoe.experts.dequant import dequantize, dequantize_ref
+from cupymoe.formats import DeviceFp4
+from cupymoe.layer.expand import expand, expand_ref
+from cupymoe.layer.finalize import finalize, finalize_ref
 from cupymoe.presets import PRESETS, random_fp4_experts, random_layer
 from cupymoe.routing import GPU_MAX_EXPERTS, Router, route, route_ref
 from cupymoe.testing import assert_close, assert_equal
@@ -60,6 +61,12 @@ def stages_case(m: int, h: int, k: int, dtype) -> None:  # type: ignore[no-untyp
     assert_close(finalize_ref(y, ref_r), finalize(cupy.asarray(y), r), max_rel=1e-2, rms_rel=5e-3)
 
 
+def _layout(pair: bool) -> str:
+    """The GEMV layouts the sanitizer runs: the split copy (from pair-interleaved uploads) and the
+    plain uploaded bytes."""
+    return "split" if pair else "plain"
+
+
 def dequant_case(fmt: str, pair: bool, k: int) -> None:
     w = random_fp4_experts(np.random.default_rng(k), 3, 24, k, fmt)
     d = DeviceFp4.from_experts(w, pair_interleaved=pair)
@@ -69,9 +76,8 @@ def dequant_case(fmt: str, pair: bool, k: int) -> None:
 
 def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
     """fc1 (swiglu_oai, biases) and fc2 with a forced tiling: tail N and K, multi-pass rows."""
-    from cupymoe import gemv
-    from cupymoe.config import GemvConfig
-    from cupymoe.tune import random_routing
+    from cupymoe import experts
+    from cupymoe.routing import random_routing
 
     rng = np.random.default_rng(n + k + m)
     e, top_k = 4, 4
@@ -79,20 +85,19 @@ def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: i
     down = random_fp4_experts(rng, e, n, k, fmt)
     bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
     routing = random_routing(rng, m, top_k, e)  # m tokens on 4 experts: m rows per expert
-    cfg = GemvConfig(*tiling)
-    act = gemv.ActivationSpec("swiglu_oai")
+    cfg = experts.GemvConfig(*tiling)
+    act = experts.ActivationSpec("swiglu_oai")
     x = rng.standard_normal((m, k)).astype(dtype)
-    w1 = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, pair_interleaved=pair)
-    h = gemv.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
+    layout = _layout(pair)
+    w1 = experts.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, layout=layout)
+    h = experts.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
     xs = x.astype(np.float64)[routing.sorted_rows.get() // top_k]
     off = routing.expert_offsets.get()
-    ref = gemv.fc1_ref(xs, gate, up, off, act=act, gate_bias=bg, up_bias=bu)
+    ref = experts.fc1_ref(xs, gate, up, off, act=act, gate_bias=bg, up_bias=bu)
     assert_close(ref, h, max_rel=2e-2, rms_rel=1e-2, name="fc1")
     hs = rng.standard_normal((m * top_k, k)).astype(dtype)
-    y = gemv.fc2(
-        cupy.asarray(hs), gemv.prepare_fc2(down, pair_interleaved=pair), routing, config=cfg
-    )
-    assert_close(gemv.gemv_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
+    y = experts.fc2(cupy.asarray(hs), experts.prepare_fc2(down, layout=layout), routing, config=cfg)
+    assert_close(experts.fc2_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
 
 
 def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = "") -> None:  # type: ignore[no-untyped-def]
@@ -100,7 +105,7 @@ def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = ""
     shape = dataclasses.replace(PRESETS[name], n_experts=experts)
     if act:
         shape = dataclasses.replace(shape, activation=act)
-    layer = cm.MoELayer(**random_layer(shape, rng, max_tokens=m), pair_interleaved=pair)
+    layer = cm.MoELayer(**random_layer(shape, rng, max_tokens=m), weight_layout=_layout(pair))
     x = rng.standard_normal((m, shape.hidden)).astype(dtype)
     logits = rng.standard_normal((m, experts)).astype(np.float32)
     out = layer(cupy.asarray(x), cupy.asarray(logits))
@@ -148,7 +153,7 @@ def main() -> int:
     # GEMV tilings with tails: N = 40 (not a multiple of the 16-row tile), K % 32 = 16, 12 rows
     # per expert (two passes of 8); MXFP4 with fp16 activations.
     # Every tiling; K = 2224 also runs unchecked iterations of the 8-warp blocks.
-    from cupymoe.config import TILINGS
+    from cupymoe.experts.config import TILINGS
 
     for tiling in TILINGS:
         for k in (176, 2224):

@@ -3,7 +3,7 @@
 
     python scripts/sass.py STAGE 'EXPRESSION' ['EXPRESSION' ...] [--arch sm_90] [--dump DIR]
 
-STAGE is a file of ``cupymoe/cuda`` without ``.cu`` (``routing``, ``gemv_fp4``, ...), each
+STAGE is a file of ``cupymoe/cuda`` without ``.cu`` (``route_fused``, ``gemv_fp4``, ...), each
 EXPRESSION a kernel instantiation as the loader names it (``'route_fused<float, 1, 8>'``). Prints
 the static instruction count and the most frequent opcodes of each kernel, and with ``--dump``
 writes the full listing to DIR/<mangled name>.sass. The text compiled is the loader's (same
@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cupymoe._compile import _nvrtc, kernel_source, offline_options
+from cupymoe.testing import kernel_source, nvrtc_module, offline_options
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
@@ -56,7 +56,7 @@ def _loaded_libnvrtc() -> ctypes.CDLL:
 
 def cubin(stage: str, expressions: list[str], arch: str) -> tuple[bytes, dict[str, str]]:
     """Compile ``expressions`` of ``stage`` for ``arch``; return the cubin and lowered names."""
-    nvrtc = _nvrtc()
+    nvrtc = nvrtc_module()
     program = nvrtc.createProgram(kernel_source(stage), f"{stage}.cu", [], [])
     try:
         for expression in expressions:

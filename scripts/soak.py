@@ -23,7 +23,6 @@ import ml_dtypes
 import numpy as np
 
 import cupymoe as cm
-from cupymoe._layer_gpu import record_graph
 from cupymoe.presets import PRESETS, random_layer
 
 
@@ -66,7 +65,7 @@ def main() -> int:
         cupy.asarray(rng.standard_normal((args.tokens, shape.n_experts)).astype(np.float32))
         for _ in layers
     ]
-    graph = record_graph(layers, args.tokens, x.dtype, inputs=(x, logits))
+    graph = cm.record_graph(layers, args.tokens, x.dtype, inputs=(x, logits))
     graph.replay()
     graph.stream.synchronize()
     first = graph.out.copy()

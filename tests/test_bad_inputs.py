@@ -31,19 +31,20 @@ import pytest
 from click.testing import CliRunner
 
 import cupymoe as cm
-from cupymoe import checkpoint as ck
 from cupymoe import formats as fm
-from cupymoe._backend import gpu_available, require_cupy
+from cupymoe._runtime.backend import gpu_available, require_cupy
 from cupymoe.cli import cli
-from cupymoe.config import GemvConfig
-from cupymoe.dequant import dequantize_ref
-from cupymoe.expand import expand_ref
-from cupymoe.finalize import finalize_ref
-from cupymoe.gemv import Activation, ActivationSpec, activation_ref, fc1_ref, gemv_ref
+from cupymoe.experts.activation import Activation, ActivationSpec, activation_ref
+from cupymoe.experts.cache import cache_key, row_bucket
+from cupymoe.experts.config import GemvConfig
+from cupymoe.experts.dequant import dequantize_ref
+from cupymoe.experts.reference import fc1_ref, fc2_ref
+from cupymoe.io import checkpoint as ck
+from cupymoe.layer.expand import expand_ref
+from cupymoe.layer.finalize import finalize_ref
 from cupymoe.presets import random_fp4_experts
 from cupymoe.routing import Router, Routing, RoutingMethod, expert_maps_ref, route_ref
 from cupymoe.testing import assert_close, tolerance_for
-from cupymoe.tune import cache_key, row_bucket
 
 BF16 = ml_dtypes.bfloat16
 E, H, I, TOP_K, M = 4, 64, 32, 2, 3
@@ -545,28 +546,28 @@ def _cpu_stages() -> list[Case]:
         bad("gemv-activation_ref-shape-mismatch", ValueError, "^up:",
             lambda: activation_ref(np.zeros(2), np.zeros(3), SWIGLU)),
         bad("gemv-gemv_ref-weights-array", TypeError, "^weights:",
-            lambda: gemv_ref(xs, GATE.packed, off)),
+            lambda: fc2_ref(xs, GATE.packed, off)),
         bad("gemv-gemv_ref-x_sorted-width", ValueError, "^x_sorted:",
-            lambda: gemv_ref(xs[:, 1:], GATE, off)),
+            lambda: fc2_ref(xs[:, 1:], GATE, off)),
         bad("gemv-gemv_ref-x_sorted-1d", ValueError, "^x_sorted:",
-            lambda: gemv_ref(xs[0], GATE, off)),
+            lambda: fc2_ref(xs[0], GATE, off)),
         bad("gemv-gemv_ref-expert_offsets-expert-count", ValueError, "^expert_offsets:",
-            lambda: gemv_ref(xs, GATE, off[:-1])),
+            lambda: fc2_ref(xs, GATE, off[:-1])),
         bad("gemv-gemv_ref-expert_offsets-float", ValueError, "^expert_offsets:",
-            lambda: gemv_ref(xs, GATE, off.astype(np.float32))),
+            lambda: fc2_ref(xs, GATE, off.astype(np.float32))),
         bad("gemv-gemv_ref-expert_offsets-wrong-total", ValueError, "^expert_offsets:",
-            lambda: gemv_ref(xs[1:], GATE, off)),
+            lambda: fc2_ref(xs[1:], GATE, off)),
         bad("gemv-gemv_ref-expert_offsets-decreasing", ValueError, "^expert_offsets:",
-            lambda: gemv_ref(xs, GATE, np.array([0, 4, 2, 6, 6]))),
+            lambda: fc2_ref(xs, GATE, np.array([0, 4, 2, 6, 6]))),
         bad("gemv-gemv_ref-bias-shape", ValueError, "^bias:",
-            lambda: gemv_ref(xs, GATE, off, bias=np.zeros((E, I + 1)))),
+            lambda: fc2_ref(xs, GATE, off, bias=np.zeros((E, I + 1)))),
         bad("gemv-gemv_ref-bias-expert-count", ValueError, "^bias:",
-            lambda: gemv_ref(xs, GATE, off, bias=np.zeros((E + 1, I)))),
+            lambda: fc2_ref(xs, GATE, off, bias=np.zeros((E + 1, I)))),
         ok("gemv-gemv_ref-x_sorted-negative-strides",
-           _same_bits(lambda: gemv_ref(xs[::-1].copy(), GATE, off)),
-           lambda: gemv_ref(xs[::-1], GATE, off)),
+           _same_bits(lambda: fc2_ref(xs[::-1].copy(), GATE, off)),
+           lambda: fc2_ref(xs[::-1], GATE, off)),
         ok("gemv-gemv_ref-M0-empty", _shape(0, I),
-           lambda: gemv_ref(np.zeros((0, H)), GATE, np.zeros(E + 1, np.int32))),
+           lambda: fc2_ref(np.zeros((0, H)), GATE, np.zeros(E + 1, np.int32))),
         bad("gemv-fc1_ref-gate-array", TypeError, "gate",
             lambda: fc1_ref(xs, GATE.packed, UP, off, act=SWIGLU)),
         bad("gemv-fc1_ref-up-shape", ValueError, "^up:",
@@ -594,13 +595,14 @@ def _cpu_stages() -> list[Case]:
             lambda: GemvConfig.parse("cta_n=32")),
         bad("config-GemvConfig-parse-unknown-field", ValueError, "^CUPYMOE_GEMV_CONFIG:",
             lambda: GemvConfig.parse("cta_n=32,threads=128,warps=4")),
-        bad("config-GemvConfig-analytic-fmt", ValueError, "^fmt:",
-            lambda: GemvConfig.analytic(n=64, k=64, rows=1, fmt="int4")),
+        bad("config-GemvConfig-for_problem-fmt", ValueError, "^fmt:",
+            lambda: GemvConfig.for_problem(n=64, k=64, rows=1, fmt="int4", device_name="")),
         bad("config-GemvConfig-for_problem-env", ValueError, "^CUPYMOE_GEMV_CONFIG:",
             lambda: _env("CUPYMOE_GEMV_CONFIG", "cta_n=7,threads=128", lambda: (
                 GemvConfig.for_problem(n=64, k=64, rows=1, fmt="nvfp4", device_name="")))),
-        bad("config-GemvConfig-candidates-fmt", ValueError, "^fmt:",
-            lambda: GemvConfig.candidates(n=64, k=64, fmt="nvfp8")),
+        bad("config-GemvConfig-for_problem-fmt-nvfp8", ValueError, "^fmt:",
+            lambda: GemvConfig.for_problem(n=64, k=64, rows=1, fmt="nvfp8", device_name="X",
+                                           dtype=BF16)),
         bad("tune-row_bucket-0", ValueError, "^rows:", lambda: row_bucket(0)),
         bad("tune-row_bucket-float", ValueError, "^rows:", lambda: row_bucket(2.0)),
         bad("tune-cache_key-dtype-float32", TypeError, "^dtype:",
@@ -652,8 +654,8 @@ def _cpu_layer_cases() -> list[Case]:
         bad("moe-MoELayer-top_k-above-E", ValueError, "^top_k:", lambda: _layer(top_k=E + 1)),
         bad("moe-MoELayer-top_k-str", TypeError, "^top_k:", lambda: _layer(top_k="2")),
         bad("moe-MoELayer-max_tokens-0", ValueError, "^max_tokens:", lambda: _layer(max_tokens=0)),
-        bad("moe-MoELayer-gemv_order-unknown", ValueError, "^gemv_order:",
-            lambda: _layer(gemv_order="plain")),
+        bad("moe-MoELayer-weight_layout-unknown", ValueError, "^weight_layout:",
+            lambda: _layer(weight_layout="native")),
         bad("moe-MoELayer-max_tokens-float", TypeError, "^max_tokens:",
             lambda: _layer(max_tokens=8.0)),
         bad("moe-MoELayer-max_tokens-bool", TypeError, "^max_tokens:",
@@ -918,7 +920,8 @@ CPU_CASES: list[Case] = _build(
 # ================================================================================================
 @functools.lru_cache(maxsize=1)
 def _g() -> SimpleNamespace:
-    from cupymoe.gemv import fc1, fc2, prepare_fc1, prepare_fc2
+    from cupymoe.experts.dispatch import fc1, fc2
+    from cupymoe.experts.gemv import prepare_fc1, prepare_fc2
     from cupymoe.routing import route
 
     cp = require_cupy()
@@ -1013,8 +1016,8 @@ def _gpu_route_cases() -> list[Case]:
 
 
 def _gpu_expand_finalize_cases() -> list[Case]:
-    from cupymoe.expand import expand
-    from cupymoe.finalize import finalize
+    from cupymoe.layer.expand import expand
+    from cupymoe.layer.finalize import finalize
 
     rt = lambda: _g().routing  # noqa: E731
     y = lambda: _g().y  # noqa: E731
@@ -1071,9 +1074,11 @@ def _gpu_expand_finalize_cases() -> list[Case]:
 
 
 def _gpu_gemv_cases() -> list[Case]:
-    from cupymoe.batched import fc1_batched, fc2_batched
-    from cupymoe.dequant import DeviceFp4, dequantize
-    from cupymoe.gemv import fc1, fc2, prepare_fc1, prepare_fc2
+    from cupymoe.experts.batched import fc1_batched, fc2_batched
+    from cupymoe.experts.dequant import dequantize
+    from cupymoe.experts.dispatch import fc1, fc2
+    from cupymoe.experts.gemv import prepare_fc1, prepare_fc2
+    from cupymoe.formats import DeviceFp4
     from cupymoe.routing import route
 
     g = _g
@@ -1139,17 +1144,17 @@ def _gpu_gemv_cases() -> list[Case]:
         ok("fc2-M0-empty", _shape(0, H, dtype=BF16), lambda: f2(_gz((0, I), BF16),
                                                                  routing=g().r0)),
         ok("fc2-k48-n24-not-tile-multiples",
-           _close(lambda: gemv_ref(h48, down48, ROUTING.expert_offsets)),
+           _close(lambda: fc2_ref(h48, down48, ROUTING.expert_offsets)),
            lambda: fc2(g().cp.asarray(h48), prepare_fc2(down48), g().routing)),
         bad("prepare_fc1-gate-array", TypeError, "^gate:", lambda: prepare_fc1(GATE.packed, UP)),
         bad("prepare_fc1-up-shape", ValueError, "^up:", lambda: prepare_fc1(GATE, gate48)),
         bad("prepare_fc1-up-format", ValueError, "^up:", lambda: prepare_fc1(GATE, MX_GATE)),
-        bad("prepare_fc1-pair_interleaved-mismatch", ValueError, "^gate:",
-            lambda: prepare_fc1(g().fc1w.gate, UP, pair_interleaved=False)),
-        bad("prepare_fc1-gemv_order-unknown", ValueError, "^gemv_order:",
-            lambda: prepare_fc1(GATE, UP, gemv_order="tiled")),
-        bad("prepare_fc2-gemv_order-unknown", ValueError, "^gemv_order:",
-            lambda: prepare_fc2(DOWN, gemv_order="")),
+        bad("prepare_fc1-layout-nibble-order-mismatch", ValueError, "^gate:",
+            lambda: prepare_fc1(g().fc1w.gate, UP, layout="plain")),
+        bad("prepare_fc1-layout-unknown", ValueError, "^layout:",
+            lambda: prepare_fc1(GATE, UP, layout="tiled")),
+        bad("prepare_fc2-layout-unknown", ValueError, "^layout:",
+            lambda: prepare_fc2(DOWN, layout="")),
         bad("prepare_fc1-gate_bias-shape", ValueError, "^gate_bias:",
             lambda: prepare_fc1(GATE, UP, gate_bias=np.zeros((E, I + 1), np.float32))),
         bad("prepare_fc1-gate_bias-int", TypeError, "^gate_bias:",

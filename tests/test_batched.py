@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe.dequant import DeviceFp4
+from cupymoe.formats import DeviceFp4
 from cupymoe.presets import random_fp4_experts
+from cupymoe.routing import random_routing
 from cupymoe.testing import assert_close, tolerance_for
-from cupymoe.tune import random_routing
 
 _HIDDEN, _INTER, _EXPERTS = 64, 96, 16  # K multiples of 32 (MXFP4 blocks) for FC1 and FC2
 _ERF = np.vectorize(math.erf)
@@ -42,12 +41,9 @@ def _gemm_ref(a: np.ndarray, w, offsets: np.ndarray, bias) -> np.ndarray:
 
 
 def _act_spec(kind: str):
-    try:  # the real ActivationSpec when gemv.py exists; batched only reads .kind/.alpha/.limit
-        from cupymoe.gemv import Activation, ActivationSpec
+    from cupymoe.experts.activation import Activation, ActivationSpec
 
-        return ActivationSpec(Activation(kind))
-    except ImportError:
-        return types.SimpleNamespace(kind=kind, alpha=1.702, limit=7.0)
+    return ActivationSpec(Activation(kind))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +73,7 @@ def _cases() -> list[Case]:
 def test_fc1_fc2_batched(rng: np.random.Generator, case: Case) -> None:
     import cupy
 
-    from cupymoe.batched import fc1_batched, fc2_batched
+    from cupymoe.experts.batched import fc1_batched, fc2_batched
 
     dtype = np.dtype(ml_dtypes.bfloat16) if case.dtype == "bfloat16" else np.dtype(np.float16)
     n_tokens = case.rows // case.top_k
@@ -125,7 +121,7 @@ def test_fc1_fc2_batched(rng: np.random.Generator, case: Case) -> None:
 def test_workspace_chunks_give_the_same_answer(rng, monkeypatch) -> None:
     import cupy
 
-    from cupymoe import batched
+    from cupymoe.experts import batched
 
     down = DeviceFp4.from_experts(random_fp4_experts(rng, _EXPERTS, _HIDDEN, _INTER, "nvfp4"))
     routing = random_routing(rng, 40, 4, _EXPERTS)
@@ -140,7 +136,7 @@ def test_workspace_chunks_give_the_same_answer(rng, monkeypatch) -> None:
 def test_empty_batch(rng: np.random.Generator) -> None:
     import cupy
 
-    from cupymoe.batched import fc2_batched
+    from cupymoe.experts.batched import fc2_batched
 
     down = DeviceFp4.from_experts(random_fp4_experts(rng, 4, 32, 32, "nvfp4"))
     routing = random_routing(rng, 0, 2, 4)
@@ -152,7 +148,7 @@ def test_empty_batch(rng: np.random.Generator) -> None:
 def test_rejects_before_launch(rng: np.random.Generator) -> None:
     import cupy
 
-    from cupymoe.batched import fc1_batched, fc2_batched
+    from cupymoe.experts.batched import fc1_batched, fc2_batched
 
     gate = DeviceFp4.from_experts(random_fp4_experts(rng, 4, 32, 64, "nvfp4"))
     down = DeviceFp4.from_experts(random_fp4_experts(rng, 4, 64, 32, "nvfp4"))
@@ -183,7 +179,7 @@ def test_rejects_before_launch(rng: np.random.Generator) -> None:
 
 # ---- host index math (CPU) -----------------------------------------------------------------------
 def test_block_indices_gather_every_row_once(rng: np.random.Generator) -> None:
-    from cupymoe.batched import block_indices
+    from cupymoe.experts.batched import block_indices
 
     counts = rng.integers(0, 7, size=40)
     offsets = np.concatenate(([0], np.cumsum(counts)))
@@ -200,7 +196,7 @@ def test_block_indices_gather_every_row_once(rng: np.random.Generator) -> None:
 
 
 def test_block_indices_rejects_empty_or_too_wide_experts() -> None:
-    from cupymoe.batched import block_indices
+    from cupymoe.experts.batched import block_indices
 
     offsets = np.array([0, 2, 2, 5])
     with pytest.raises(ValueError, match="chunk"):

@@ -10,7 +10,7 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from cupymoe._backend import gpu_available
+from cupymoe._runtime.backend import gpu_available
 from cupymoe.bench import L2_BYTES, BenchResult, expert_bytes, format_table, stack_depth
 from cupymoe.cli import cli
 from cupymoe.presets import PRESETS

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import cupymoe as cm
-from cupymoe.checkpoint import (
+from cupymoe.formats import E2M1_VALUES, Fp4Experts
+from cupymoe.io.checkpoint import (
     Checkpoint,
     load_experts,
     read_safetensors_header,
@@ -23,7 +24,6 @@ from cupymoe.checkpoint import (
     save_experts,
     write_safetensors,
 )
-from cupymoe.formats import E2M1_VALUES, Fp4Experts
 from cupymoe.presets import random_fp4_experts
 
 # Smallest shapes valid in both formats: MXFP4 needs H and I multiples of 32; E = 4 with top_k 2.

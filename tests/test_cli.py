@@ -8,7 +8,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from cupymoe._backend import gpu_available
+from cupymoe._runtime.backend import gpu_available
 from cupymoe.cli import cli
 
 
@@ -172,7 +172,7 @@ def test_tune_spreads_rows_over_the_presets_experts(monkeypatch: pytest.MonkeyPa
     """`cupymoe tune --preset` times the preset's expert count (the routing density the layer
     has); `--experts` overrides it, 32 without a preset; bad counts fail before any GPU work."""
     import cupymoe.cli as cli_module
-    import cupymoe.tune as tune_module
+    import cupymoe.experts.tune as tune_module
 
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(cli_module, "_require_gpu", lambda command: None)

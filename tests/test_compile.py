@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import cupymoe._compile as compile_mod
-from cupymoe._compile import KernelSpec, all_kernel_specs, compile_offline, kernel_source
+import cupymoe._runtime.compile as compile_mod
+from cupymoe._runtime.compile import KernelSpec, all_kernel_specs, kernel_source
+from cupymoe._runtime.offline import compile_offline, supported_offline_archs
 
 # sm_80 (A100), sm_89 (L40/Ada), sm_90 (H100/H200), sm_100 (B200), sm_120 (RTX 50xx / RTX PRO).
 ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -16,7 +17,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90", "sm_100", "sm_120")
 
 def _nvrtc_archs() -> set[str]:
     pytest.importorskip("cupy")
-    return set(compile_mod.supported_offline_archs())
+    return set(supported_offline_archs())
 
 
 def test_expression_spelling() -> None:
@@ -102,7 +103,7 @@ def test_offline_compile_reports_errors(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_launch_rejects_python_scalars() -> None:
     pytest.importorskip("cupy")
-    from cupymoe._launch import _check_args
+    from cupymoe._runtime.launch import _check_args
 
     spec = KernelSpec("dequant", "k")
     _check_args(spec, (np.int32(3), np.float32(1.0), None))
@@ -114,7 +115,7 @@ def test_launch_rejects_python_scalars() -> None:
 
 @pytest.mark.gpu
 def test_get_kernel_is_memoised() -> None:
-    from cupymoe._compile import get_kernel
+    from cupymoe._runtime.compile import get_kernel
 
     spec = all_kernel_specs()[0]
     assert get_kernel(spec) is get_kernel(spec)
@@ -124,7 +125,7 @@ def test_get_kernel_is_memoised() -> None:
 def test_first_use_from_threads_compiles_once() -> None:
     import threading
 
-    from cupymoe._compile import get_kernel
+    from cupymoe._runtime.compile import get_kernel
 
     spec = all_kernel_specs()[-1]
     got: list[object] = []

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from cupymoe import tune
-from cupymoe.config import ENV_GEMV_CONFIG, TILINGS, GemvConfig
+from cupymoe.experts import config as config_mod
+from cupymoe.experts.config import ENV_GEMV_CONFIG, TILINGS, GemvConfig
+from cupymoe.experts.layouts import WeightLayout
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +72,8 @@ def test_analytic_table(
     cta_n: int | tuple[int, int],
     fmt: str,
 ) -> None:
-    kw = dict(n=n, k=k, rows=rows, fmt=fmt, gated=gated, n_experts=n_experts)
-    c = GemvConfig.for_problem(**kw, device_name="")  # type: ignore[arg-type]
+    kw = dict(n=n, k=k, rows=rows, gated=gated, n_experts=n_experts)
+    c = GemvConfig.for_problem(**kw, fmt=fmt, device_name="")  # type: ignore[arg-type]
     assert c == (GemvConfig(*cta_n) if isinstance(cta_n, tuple) else GemvConfig(cta_n, 128))
     assert c == GemvConfig.analytic(**kw)  # type: ignore[arg-type]
 
@@ -116,7 +117,7 @@ def test_env_override_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch, 
 def test_empty_env_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_GEMV_CONFIG, "  ")
     got = GemvConfig.for_problem(n=2048, k=512, rows=4, fmt="nvfp4", device_name="")
-    assert got == GemvConfig.analytic(n=2048, k=512, rows=4, fmt="nvfp4")
+    assert got == GemvConfig.analytic(n=2048, k=512, rows=4)
 
 
 def test_tune_cache_beats_table_and_env_beats_cache(
@@ -128,15 +129,16 @@ def test_tune_cache_beats_table_and_env_beats_cache(
         seen.append(kwargs)
         return GemvConfig(64, 128)
 
-    monkeypatch.setattr(tune, "lookup_tuned", fake_lookup)
+    monkeypatch.setattr(config_mod, "lookup_tuned", fake_lookup)
     kw = dict(n=512, k=2048, rows=8, fmt="nvfp4", device_name="NVIDIA H200", dtype="float16")
     assert GemvConfig.for_problem(**kw) == GemvConfig(64, 128)  # type: ignore[arg-type]
     assert seen and seen[0]["n"] == 512 and seen[0]["rows"] == 8 and seen[0]["op"] == "fc2"
-    assert seen[0]["layout"] == "split"  # the default layout of prepare_fc1 / prepare_fc2
+    # the default layout of prepare_fc1 / prepare_fc2
+    assert WeightLayout.parse(seen[0]["layout"]) is WeightLayout.SPLIT  # type: ignore[arg-type]
     GemvConfig.for_problem(**kw, gated=True)  # type: ignore[arg-type]
     assert seen[-1]["op"] == "fc1"
     GemvConfig.for_problem(**kw, layout="pair")  # type: ignore[arg-type]
-    assert seen[-1]["layout"] == "pair"
+    assert WeightLayout.parse(seen[-1]["layout"]) is WeightLayout.PAIR  # type: ignore[arg-type]
     # no device name or no dtype: the cache is not consulted
     seen.clear()
     GemvConfig.for_problem(n=512, k=2048, rows=8, fmt="nvfp4", device_name="")
@@ -147,8 +149,8 @@ def test_tune_cache_beats_table_and_env_beats_cache(
 
 @pytest.mark.parametrize("k", [16, 512, 2048, 7168])
 def test_candidates(k: int) -> None:
-    cands = GemvConfig.candidates(n=1024, k=k, fmt="mxfp4")
+    cands = GemvConfig.candidates()
     assert cands and len(set(cands)) == len(cands)
     assert {(c.cta_n, c.threads) for c in cands} == set(TILINGS)
     for rows in (1, 8, 64):
-        assert GemvConfig.analytic(n=1024, k=k, rows=rows, fmt="mxfp4") in cands
+        assert GemvConfig.analytic(n=1024, k=k, rows=rows) in cands

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe.dequant import DeviceFp4, dequantize, dequantize_ref, kernel_specs
-from cupymoe.formats import Fp4Experts, Fp4Format, pack_fp4
+from cupymoe.experts.dequant import dequantize, dequantize_ref, kernel_specs
+from cupymoe.formats import DeviceFp4, Fp4Experts, Fp4Format, pack_fp4
 
 _OUT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe.expand import expand, expand_ref
+from cupymoe.layer.expand import expand, expand_ref
 from cupymoe.routing import Router, route_ref
 
 

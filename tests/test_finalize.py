@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe.finalize import finalize, finalize_ref
+from cupymoe.layer.finalize import finalize, finalize_ref
 from cupymoe.routing import Router, route_ref
 from cupymoe.testing import assert_close, tolerance_for
 

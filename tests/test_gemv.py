@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """FP4 GEMV: references on hand-computed cases (CPU), the kernel's decode identity (CPU), and
-the fc1 / fc2 kernels against fc1_ref / gemv_ref (GPU)."""
+the fc1 / fc2 kernels against fc1_ref / fc2_ref (GPU)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupymoe import gemv
+from cupymoe.experts import dispatch, gemv, layouts
+from cupymoe.experts.activation import Activation, ActivationSpec, activation_ref
+from cupymoe.experts.config import TILINGS
+from cupymoe.experts.layouts import WeightLayout
+from cupymoe.experts.reference import fc1_ref, fc2_ref
 from cupymoe.formats import E2M1_VALUES, Fp4Experts, pack_fp4, to_pair_interleaved
-from cupymoe.gemv import Activation, ActivationSpec, activation_ref, fc1_ref, gemv_ref
 from cupymoe.testing import assert_close, tolerance_for
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -66,7 +69,7 @@ def _tiny_experts(codes: np.ndarray, scale_byte: int, global_scale: list[float])
     )
 
 
-def test_gemv_ref_hand_computed() -> None:
+def test_fc2_ref_hand_computed() -> None:
     # 2 experts, N = 2, K = 16; E4M3 0x38 = 1.0, 0x40 = 2.0.
     codes = np.zeros((2, 2, 16), np.uint8)
     codes[0, 0, :4] = [2, 3, 7, 0xA]  # 1, 1.5, 6, -1
@@ -78,10 +81,10 @@ def test_gemv_ref_hand_computed() -> None:
     x[0, 15] = 8
     x[1:, 0] = [1.0, -2.0]
     offsets = np.array([0, 1, 3])  # row 0 -> expert 0, rows 1, 2 -> expert 1
-    out = gemv_ref(x, w, offsets)
+    out = fc2_ref(x, w, offsets)
     assert out.tolist() == [[1 + 3 + 18 - 4, 4.0], [0.0, -36.0], [0.0, 72.0]]
     bias = np.array([[1.0, 2.0], [3.0, 4.0]])
-    assert gemv_ref(x, w, offsets, bias=bias).tolist() == [[19.0, 6.0], [3.0, -32.0], [3.0, 76.0]]
+    assert fc2_ref(x, w, offsets, bias=bias).tolist() == [[19.0, 6.0], [3.0, -32.0], [3.0, 76.0]]
 
 
 def test_fc1_ref_is_activation_of_two_gemvs(rng: np.random.Generator) -> None:
@@ -91,24 +94,24 @@ def test_fc1_ref_is_activation_of_two_gemvs(rng: np.random.Generator) -> None:
     off = np.array([0, 2, 2, 5])
     bg, bu = rng.standard_normal((3, 8)), rng.standard_normal((3, 8))
     act = ActivationSpec("swiglu_oai", limit=1.5)
-    ref = activation_ref(gemv_ref(x, gate, off, bias=bg), gemv_ref(x, up, off, bias=bu), act)
+    ref = activation_ref(fc2_ref(x, gate, off, bias=bg), fc2_ref(x, up, off, bias=bu), act)
     np.testing.assert_array_equal(fc1_ref(x, gate, up, off, act=act, gate_bias=bg, up_bias=bu), ref)
     # dense check of one row against the dequantized weights
     dense = gate.dequantize(np.float64)
-    np.testing.assert_allclose(gemv_ref(x, gate, off)[3], dense[2] @ x[3], rtol=1e-12)
+    np.testing.assert_allclose(fc2_ref(x, gate, off)[3], dense[2] @ x[3], rtol=1e-12)
 
 
 def test_reference_input_errors(rng: np.random.Generator) -> None:
     w = Fp4Experts.quantize(rng.standard_normal((2, 4, 32)), "nvfp4")
     x = np.zeros((3, 32))
     with pytest.raises(ValueError, match="expert_offsets"):
-        gemv_ref(x, w, np.array([0, 1, 2]))  # ends at 2, not 3
+        fc2_ref(x, w, np.array([0, 1, 2]))  # ends at 2, not 3
     with pytest.raises(ValueError, match="expert_offsets"):
-        gemv_ref(x, w, np.array([0, 1]))
+        fc2_ref(x, w, np.array([0, 1]))
     with pytest.raises(ValueError, match="x_sorted"):
-        gemv_ref(np.zeros((3, 16)), w, np.array([0, 1, 3]))
+        fc2_ref(np.zeros((3, 16)), w, np.array([0, 1, 3]))
     with pytest.raises(ValueError, match="bias"):
-        gemv_ref(x, w, np.array([0, 1, 3]), bias=np.zeros((2, 5)))
+        fc2_ref(x, w, np.array([0, 1, 3]), bias=np.zeros((2, 5)))
 
 
 # ---- the kernel's decoders and layouts (CPU transcription of gemv_fp4.cu) ----------------------
@@ -210,9 +213,9 @@ def _exact_in(values: np.ndarray, dtype: np.dtype, *, normal: bool) -> np.ndarra
 
 def _words_of(codes: np.ndarray, order: str) -> np.ndarray:
     """codes [n, 8] (logical order) -> uint32 words in the plain, pair-interleaved or split order
-    (the split words through gemv.split_words, from either source order)."""
+    (the split words through layouts.split_words, from either source order)."""
     if order == "split":
-        return gemv.split_words(_words_of(codes, "pair"), True)
+        return layouts.split_words(_words_of(codes, "pair"), True)
     slots = [0, 4, 1, 5, 2, 6, 3, 7] if order == "pair" else list(range(8))  # slot of element i
     words = np.zeros(codes.shape[0], U32)
     for i in range(8):
@@ -224,17 +227,17 @@ def test_split_words_from_either_order(rng: np.random.Generator) -> None:
     """split_words places element 2p's magnitude at _SPLIT_MAG[p] and sign at _SPLIT_SIGN[p] of
     the low half (2p + 1: high half), whichever order the source words are in."""
     codes = rng.integers(0, 16, size=(512, 8), dtype=np.uint32)
-    split = gemv.split_words(_words_of(codes, "plain"), False)
-    assert split.tobytes() == gemv.split_words(_words_of(codes, "pair"), True).tobytes()
+    split = layouts.split_words(_words_of(codes, "plain"), False)
+    assert split.tobytes() == layouts.split_words(_words_of(codes, "pair"), True).tobytes()
     for i in range(8):
         p, half = divmod(i, 2)
-        mag = (split >> U32(16 * half + gemv._SPLIT_MAG[p])) & U32(7)
-        sign = (split >> U32(16 * half + gemv._SPLIT_SIGN[p])) & U32(1)
+        mag = (split >> U32(16 * half + layouts._SPLIT_MAG[p])) & U32(7)
+        sign = (split >> U32(16 * half + layouts._SPLIT_SIGN[p])) & U32(1)
         np.testing.assert_array_equal(mag | (sign << U32(3)), codes[:, i])
-    hand = gemv.split_words(np.array([0x8], U32), False)  # element 0 = -0: sign bit 15 only
+    hand = layouts.split_words(np.array([0x8], U32), False)  # element 0 = -0: sign bit 15 only
     assert hand.tolist() == [0x8000]
     with pytest.raises(TypeError, match="words: expected uint32"):
-        gemv.split_words(np.zeros(3, np.int64), False)
+        layouts.split_words(np.zeros(3, np.int64), False)
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -312,14 +315,14 @@ def test_block_scale_fold_is_exact(fmt: str, dtype: np.dtype, order: str) -> Non
     if fmt == "nvfp4":
         cases = [(np.array([b for b in range(256) if b & 0x7F != 0x7F]), 0)]
     else:
-        first, last = gemv._MX_INTERVALS[(dtype, pair)]
+        first, last = layouts._MX_INTERVALS[(dtype, pair)]
         width = last - first
         cases = []
         for lo in (0, 127 - width // 2, 254 - width):
-            shift = gemv.mx_scale_shift((lo, lo + width), dtype, pair)
+            shift = layouts.mx_scale_shift((lo, lo + width), dtype, pair)
             assert shift is not None
             cases.append((np.arange(lo, lo + width + 1), shift))
-        assert gemv.mx_scale_shift((0, width + 1), dtype, pair) is None  # one wider: batched
+        assert layouts.mx_scale_shift((0, width + 1), dtype, pair) is None  # one wider: batched
     for scale_bytes, shift in cases:
         table = _table_value(fmt, dtype, scale_bytes, table_shift + shift)
         product = decoded[:, None] * table[None, :]  # exact in float64
@@ -344,17 +347,21 @@ def _emulate_kernel(
     block, k, n = w0.block_size, w0.k, w0.n
     per_chunk = 32 // block
     pair = order != "plain"
-    packed = [gemv.pad_packed(to_pair_interleaved(m.packed) if pair else m.packed, k) for m in mats]
-    tiled = gemv.tile_scales([m.scales for m in mats], k, block)
-    shift = gemv.mx_scale_shift(
-        gemv._scale_range_host([m.scales for m in mats], w0.format), dtype, pair
+    packed = [
+        layouts.pad_packed(to_pair_interleaved(m.packed) if pair else m.packed, k) for m in mats
+    ]
+    tiled = layouts.tile_scales([m.scales for m in mats], k, block)
+    shift = layouts.mx_scale_shift(
+        layouts._scale_range_host([m.scales for m in mats], w0.format), dtype, pair
     )
     assert shift is not None
     chunks = packed[0].shape[2] // 16
     x_pad = np.zeros((x.shape[0], chunks * 32))
     x_pad[:, :k] = x
     rows_per_tile = 16 // len(mats)
-    split = [gemv.gemv_layout(to_pair_interleaved(m.packed), k, True, rows_per_tile) for m in mats]
+    split = [
+        layouts.gemv_layout(to_pair_interleaved(m.packed), k, True, rows_per_tile) for m in mats
+    ]
     outs = [np.zeros((x.shape[0], n)) for _ in mats]
     for e in np.flatnonzero(np.diff(offsets)):
         lo, hi = int(offsets[e]), int(offsets[e + 1])
@@ -363,7 +370,7 @@ def _emulate_kernel(
             for m, mat in enumerate(mats):
                 half, g = (m, r) if len(mats) == 2 else divmod(r, 8)
                 if order == "split":  # [E, tiles, chunks, slots, 16]: row r at its slot
-                    at = gemv.split_slot(r, np.arange(chunks))
+                    at = layouts.split_slot(r, np.arange(chunks))
                     words = np.ascontiguousarray(split[m][e, tile, np.arange(chunks), at])
                     words = words.view("<u4").reshape(-1)
                 else:
@@ -397,7 +404,7 @@ def test_kernel_layouts_emulated(
     for used in (mats, mats[:1]):  # FC1 (gate, up) and FC2 tilings
         got = _emulate_kernel(x, used, offsets, order, dtype)
         for m, out in zip(used, got, strict=True):
-            np.testing.assert_allclose(out, gemv_ref(x, m, offsets), rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(out, fc2_ref(x, m, offsets), rtol=1e-12, atol=1e-12)
 
 
 def test_gemv_layout_shape_and_padding(rng: np.random.Generator) -> None:
@@ -405,17 +412,17 @@ def test_gemv_layout_shape_and_padding(rng: np.random.Generator) -> None:
     from cupymoe.presets import random_fp4_experts
 
     w = random_fp4_experts(rng, 2, 19, 48, "nvfp4")  # 19 rows: 2 tiles of 16; K 48: 2 chunks
-    lay = gemv.gemv_layout(w.packed, 48, False, 16)
+    lay = layouts.gemv_layout(w.packed, 48, False, 16)
     assert lay.shape == (2, 2, 2, 16, 16) and lay.dtype == np.uint8
     for c in range(2):  # rows 19..31 (tile 1, rows 3..15) are zero, wherever they sit
-        assert not lay[:, 1, c, gemv.split_slot(np.arange(3, 16), c)].any()
-        assert lay[:, 1, c, gemv.split_slot(np.arange(3), c)].any()
+        assert not lay[:, 1, c, layouts.split_slot(np.arange(3, 16), c)].any()
+        assert lay[:, 1, c, layouts.split_slot(np.arange(3), c)].any()
     assert not lay[:, :, 1, :, 8:].any()  # codes 48..63
-    padded = gemv.pad_packed(w.packed, 48)
+    padded = layouts.pad_packed(w.packed, 48)
     for c, row in ((0, 5), (1, 13)):  # expert 1: codes 32c .. 32c + 31 of the row, split order
-        got = np.ascontiguousarray(lay[1, 0, c, gemv.split_slot(row, c)]).view("<u4")
+        got = np.ascontiguousarray(lay[1, 0, c, layouts.split_slot(row, c)]).view("<u4")
         want = np.ascontiguousarray(padded[1, row, 16 * c : 16 * c + 16]).view("<u4")
-        assert got.tolist() == gemv.split_words(want, False).tolist()
+        assert got.tolist() == layouts.split_words(want, False).tolist()
 
 
 def test_split_slots_are_conflict_free() -> None:
@@ -424,11 +431,11 @@ def test_split_slots_are_conflict_free() -> None:
     slots are a permutation of its rows."""
     for rows in (8, 16):
         for c in range(4):
-            assert sorted(gemv.split_slot(np.arange(rows), c).tolist()) == list(range(rows))
+            assert sorted(layouts.split_slot(np.arange(rows), c).tolist()) == list(range(rows))
         for half in range(rows // 8):
             for p in range(4):
                 groups = {
-                    (t * rows + gemv.split_slot(8 * half + g, 4 + t)) % 8
+                    (t * rows + layouts.split_slot(8 * half + g, 4 + t)) % 8
                     for g in (2 * p, 2 * p + 1)
                     for t in range(4)
                 }
@@ -437,11 +444,11 @@ def test_split_slots_are_conflict_free() -> None:
 
 def test_expert_bytes_limit() -> None:
     """32-bit lane offsets: an expert of 4 GiB or more is refused before any kernel runs."""
-    gemv.check_expert_bytes(131072, 65504, "w")  # 131072 x 2047 chunks x 16 bytes < 2^32
+    layouts.check_expert_bytes(131072, 65504, "w")  # 131072 x 2047 chunks x 16 bytes < 2^32
     with pytest.raises(ValueError, match="less than 4 GiB per expert"):
-        gemv.check_expert_bytes(131072, 65536, "w")  # exactly 2^32 bytes
+        layouts.check_expert_bytes(131072, 65536, "w")  # exactly 2^32 bytes
     with pytest.raises(ValueError, match="w: one expert"):
-        gemv.check_expert_bytes(200000, 50000, "w")  # 5.0e9 bytes
+        layouts.check_expert_bytes(200000, 50000, "w")  # 5.0e9 bytes
 
 
 def test_weight_order_dispatch(rng: np.random.Generator) -> None:
@@ -456,22 +463,23 @@ def test_weight_order_dispatch(rng: np.random.Generator) -> None:
         packed = to_pair_interleaved(w.packed) if pair else w.packed
         dev = SimpleNamespace(packed=packed, k=48, pair_interleaved=pair)
         for rows in (8, 16):
-            got, order = gemv._kernel_weights(dev, "split", rows)
-            assert order == 2
-            assert got.tobytes() == gemv.gemv_layout(packed, 48, pair, rows).tobytes()
-        got, order = gemv._kernel_weights(dev, "native", 16)
-        assert order == (1 if pair else 0)
-        assert got.tobytes() == gemv.pad_packed(packed, 48).tobytes()
-    assert gemv._gemv_order(None) == gemv.DEFAULT_GEMV_ORDER == "split"
+            got = gemv._kernel_weights(dev, WeightLayout.SPLIT, rows)  # type: ignore[arg-type]
+            assert WeightLayout.SPLIT.value == 2
+            assert got.tobytes() == layouts.gemv_layout(packed, 48, pair, rows).tobytes()
+        native = WeightLayout.PAIR if pair else WeightLayout.PLAIN
+        got = gemv._kernel_weights(dev, native, 16)  # type: ignore[arg-type]
+        assert native.value == (1 if pair else 0)
+        assert got.tobytes() == layouts.pad_packed(packed, 48).tobytes()
+    assert layouts.DEFAULT_LAYOUT is WeightLayout.SPLIT
     orders = {spec.args[2] for spec in gemv.kernel_specs()}
     assert orders == {0, 1, 2}
-    assert len(gemv.kernel_specs()) == 2 * 2 * 3 * len(gemv.TILINGS) * 2 * 4
+    assert len(gemv.kernel_specs()) == 2 * 2 * 3 * len(TILINGS) * 2 * 4
 
 
 def test_tile_scales_layout() -> None:
     # FC2: [E=1, N=16, 2 blocks] -> tile 0, chunk 0, lane row g: bytes (row g, row g + 8)
     s = np.arange(32, dtype=np.uint8).reshape(1, 16, 2)
-    t = gemv.tile_scales([s], 32, 16)
+    t = layouts.tile_scales([s], 32, 16)
     assert t.shape == (1, 1, 1, 32)
     assert t[0, 0, 0, :8].tolist() == [0, 1, 16, 17, 2, 3, 18, 19]
     # FC1: gate and up rows of the same column side by side; N = 9 -> 2 tiles, zero past N
@@ -479,7 +487,7 @@ def test_tile_scales_layout() -> None:
         np.arange(9, dtype=np.uint8)[None, :, None],
         100 + np.arange(9, dtype=np.uint8)[None, :, None],
     )
-    t = gemv.tile_scales([g, u], 32, 32)
+    t = layouts.tile_scales([g, u], 32, 32)
     assert t.shape == (1, 2, 1, 16)
     assert t[0, 0, 0, :6].tolist() == [0, 100, 1, 101, 2, 102]
     assert t[0, 1, 0, :4].tolist() == [8, 108, 0, 0]
@@ -542,7 +550,7 @@ CASES = _cases()
 
 def _setup(case: Case, rng: np.random.Generator, *, n_mats: int, k: int, n: int):  # type: ignore[no-untyped-def]
     from cupymoe.presets import random_fp4_experts
-    from cupymoe.tune import random_routing
+    from cupymoe.routing import random_routing
 
     mats = [random_fp4_experts(rng, case.n_experts, n, k, case.fmt) for _ in range(n_mats)]
     routing = random_routing(rng, case.n_tokens, case.top_k, case.n_experts)
@@ -555,9 +563,7 @@ def _setup(case: Case, rng: np.random.Generator, *, n_mats: int, k: int, n: int)
 
 def _layout_kwargs(order: str) -> dict[str, object]:
     """prepare_fc1 / prepare_fc2 arguments of a test order."""
-    if order == "split":
-        return {"gemv_order": "split"}
-    return {"pair_interleaved": order == "pair", "gemv_order": "native"}
+    return {"layout": WeightLayout.parse(order)}
 
 
 def _run_fc1(case: Case, rng: np.random.Generator, x_scale: float = 1.0):  # type: ignore[no-untyped-def]
@@ -569,7 +575,7 @@ def _run_fc1(case: Case, rng: np.random.Generator, x_scale: float = 1.0):  # typ
     prepared = gemv.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, **_layout_kwargs(case.order))
     rows = case.n_tokens * case.top_k
     out = cupy.full((rows, case.n), np.nan, dtype=case.dtype)
-    got = gemv.fc1(cupy.asarray(x), prepared, routing, act=act, out=out)
+    got = dispatch.fc1(cupy.asarray(x), prepared, routing, act=act, out=out)
     assert got is out
     x_sorted = x.astype(np.float64)[routing.sorted_rows.get() // case.top_k]
     ref = fc1_ref(
@@ -596,11 +602,11 @@ def test_fc2_matches_reference(case: Case, rng: np.random.Generator) -> None:
     h = rng.standard_normal((rows, case.k)).astype(case.dtype)
     prepared = gemv.prepare_fc2(down, bias=bias, **_layout_kwargs(case.order))
     out = cupy.full((rows, case.n), np.nan, dtype=case.dtype)
-    gemv.fc2(cupy.asarray(h), prepared, routing, out=out)
-    ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get(), bias=bias)
+    dispatch.fc2(cupy.asarray(h), prepared, routing, out=out)
+    ref = fc2_ref(h.astype(np.float64), down, routing.expert_offsets.get(), bias=bias)
     max_rel, rms_rel = tolerance_for(case.dtype)
     assert_close(ref, out, max_rel=max_rel, rms_rel=rms_rel, name=f"fc2 {case}")
-    again = gemv.fc2(cupy.asarray(h), prepared, routing)
+    again = dispatch.fc2(cupy.asarray(h), prepared, routing)
     assert out.tobytes() == again.tobytes(), "fc2 is not bitwise deterministic"
 
 
@@ -631,8 +637,8 @@ def test_fp16_large_activations_do_not_overflow(fmt: str, rng: np.random.Generat
         down = dataclasses.replace(down, scales=(down.scales - 6).astype(np.uint8))
     h = (rng.standard_normal((4, case.k)) * 1e4).astype(np.float16)
     assert np.abs(h).max() * 6 > 65504  # code * x alone would overflow fp16
-    out = gemv.fc2(cupy.asarray(h), gemv.prepare_fc2(down), routing)
-    ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get())
+    out = dispatch.fc2(cupy.asarray(h), gemv.prepare_fc2(down), routing)
+    ref = fc2_ref(h.astype(np.float64), down, routing.expert_offsets.get())
     assert np.abs(ref).max() < 6e4
     assert_close(ref, out, max_rel=4e-3, rms_rel=2e-3, name="fp16 large x")
 
@@ -662,23 +668,25 @@ def test_mxfp4_fp16_scale_range(span: str, order: str, rng: np.random.Generator)
         scales[0, 0, 0] = 60
         down = dataclasses.replace(down, scales=scales.astype(np.uint8))
     prepared = gemv.prepare_fc2(down, **_layout_kwargs(order))
-    shift = gemv.mx_scale_shift(prepared.scale_range, fp16, pair)
+    shift = layouts.mx_scale_shift(prepared.scale_range, fp16, pair)
     if span == "shifted":
         assert shift is not None and shift > 0
     else:
-        assert shift is None and gemv.mx_scale_shift(prepared.scale_range, BF16, pair) is not None
+        assert (
+            shift is None and layouts.mx_scale_shift(prepared.scale_range, BF16, pair) is not None
+        )
     rows = case.n_tokens * case.top_k
     h = rng.standard_normal((rows, case.k)).astype(fp16)
     out = cupy.full((rows, case.n), np.nan, dtype=fp16)
-    gemv.fc2(cupy.asarray(h), prepared, routing, out=out)
-    ref = gemv_ref(h.astype(np.float64), down, routing.expert_offsets.get())
+    dispatch.fc2(cupy.asarray(h), prepared, routing, out=out)
+    ref = fc2_ref(h.astype(np.float64), down, routing.expert_offsets.get())
     max_rel, rms_rel = tolerance_for(fp16)
     assert_close(ref, out, max_rel=max_rel, rms_rel=rms_rel, name=f"fc2 {span}")
 
 
 @pytest.mark.gpu
 def test_fc1_deterministic_and_config_override(rng: np.random.Generator) -> None:
-    from cupymoe.config import TILINGS, GemvConfig
+    from cupymoe.experts.config import GemvConfig
 
     case = Case("nvfp4", BF16, "split", True, 96, 1024, 4, 4, 2)
     ref, out, (x, prepared, routing, act) = _run_fc1(case, rng)
@@ -686,8 +694,8 @@ def test_fc1_deterministic_and_config_override(rng: np.random.Generator) -> None
 
     for cta_n, threads in TILINGS:
         cfg = GemvConfig(cta_n, threads)
-        a = gemv.fc1(cupy.asarray(x), prepared, routing, act=act, config=cfg)
-        b = gemv.fc1(cupy.asarray(x), prepared, routing, act=act, config=cfg)
+        a = dispatch.fc1(cupy.asarray(x), prepared, routing, act=act, config=cfg)
+        b = dispatch.fc1(cupy.asarray(x), prepared, routing, act=act, config=cfg)
         assert a.tobytes() == b.tobytes()
         assert_close(ref, a, max_rel=1.6e-2, rms_rel=8e-3, name=f"fc1 {cfg}")
 
@@ -697,7 +705,7 @@ def test_fc1_deterministic_and_config_override(rng: np.random.Generator) -> None
 def test_above_window_uses_batched_path(
     n_tokens: int, top_k: int, rng: np.random.Generator
 ) -> None:
-    pytest.importorskip("cupymoe.batched")
+    pytest.importorskip("cupymoe.experts.batched")
     case = Case("nvfp4", BF16, "split", True, 64, 128, 8, n_tokens, top_k)
     ref, out, _ = _run_fc1(case, rng)
     assert_close(ref, out, max_rel=1.6e-2, rms_rel=8e-3, name="fc1 65 rows")
@@ -711,14 +719,14 @@ def test_gpu_input_errors(rng: np.random.Generator) -> None:
     _, _, (x, prepared, routing, act) = _run_fc1(case, rng)
     xg = cupy.asarray(x)
     with pytest.raises(TypeError, match="x: expected dtype"):
-        gemv.fc1(xg.astype(cupy.float32), prepared, routing, act=act)
+        dispatch.fc1(xg.astype(cupy.float32), prepared, routing, act=act)
     with pytest.raises(ValueError, match="x: expected shape"):
-        gemv.fc1(xg[:, :32], prepared, routing, act=act)
+        dispatch.fc1(xg[:, :32], prepared, routing, act=act)
     with pytest.raises(ValueError, match="routing.topk_ids"):
-        gemv.fc1(cupy.concatenate([xg, xg]), prepared, routing, act=act)
+        dispatch.fc1(cupy.concatenate([xg, xg]), prepared, routing, act=act)
     with pytest.raises(ValueError, match="out"):
-        gemv.fc1(xg, prepared, routing, act=act, out=cupy.empty((4, 31), dtype=xg.dtype))
+        dispatch.fc1(xg, prepared, routing, act=act, out=cupy.empty((4, 31), dtype=xg.dtype))
     with pytest.raises(TypeError, match="act"):
-        gemv.fc1(xg, prepared, routing, act="swiglu")
+        dispatch.fc1(xg, prepared, routing, act="swiglu")
     with pytest.raises(TypeError, match="config"):
-        gemv.fc1(xg, prepared, routing, act=act, config=(16, 128))
+        dispatch.fc1(xg, prepared, routing, act=act, config=(16, 128))

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import cupymoe as cm
-import cupymoe._launch as launch_mod
-from cupymoe._layer_gpu import record_graph
+import cupymoe._runtime.launch as launch_mod
+from cupymoe import record_graph
 from cupymoe.presets import random_fp4_experts
 from cupymoe.testing import assert_close, tolerance_for
 
@@ -122,7 +122,7 @@ def test_support_rule(driver: int, cc: int, has_ex: bool, want: bool) -> None:
 def test_environment_switch(
     monkeypatch: pytest.MonkeyPatch, env: str, support: str, enabled: Any
 ) -> None:
-    monkeypatch.setattr(launch_mod, "_current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod, "current_device", lambda: 0)
     monkeypatch.setattr(launch_mod, support, lambda device_id: True)
     monkeypatch.delenv(env, raising=False)
     assert enabled()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cupymoe as cm
-import cupymoe.moe as moe_mod
+import cupymoe.layer.moe as moe_mod
 from cupymoe.presets import PRESETS, random_fp4_experts, random_layer
 from cupymoe.testing import assert_close, tolerance_for
 

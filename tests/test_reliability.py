@@ -196,8 +196,8 @@ def test_two_threads_with_own_streams_and_layers() -> None:
 
 def test_kernel_loader_compiles_once_under_8_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     cupy = _cupy()
-    from cupymoe import _compile
-    from cupymoe.finalize import finalize, finalize_ref
+    from cupymoe._runtime import compile as _compile
+    from cupymoe.layer.finalize import finalize, finalize_ref
     from cupymoe.routing import Router, route
 
     # Inputs first (routing may compile its own kernels): float y with hidden % 4 != 0 makes

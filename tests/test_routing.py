@@ -11,8 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import cupymoe.routing as routing_mod
-from cupymoe._launch import ENV_CLUSTERS
+import cupymoe.routing.topk as routing_mod
+from cupymoe._runtime.launch import ENV_CLUSTERS
 from cupymoe.routing import (
     Router,
     Routing,

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU transcription of the fused routing launch's warp algorithms (cupymoe/cuda/routing.cu),
+"""CPU transcription of the fused routing launch's warp algorithms (cupymoe/cuda/topk.cuh,
+maps.cuh, route_fused.cu),
 checked against the NumPy reference: the sorting networks (read from the kernel source), the
 top-k in rounds of two warp reductions over 32 sorted lanes, the top-2 of a group of whole lanes
 (a butterfly), and the one-warp expert maps (8 buckets per lane, a packed lane scan).
@@ -15,28 +16,22 @@ import re
 import numpy as np
 import pytest
 
-from cupymoe._compile import kernel_source
-from cupymoe.routing import (
-    Router,
-    _order_bits,
-    _top_k_by_key,
-    _warp_keys,
-    expert_maps_ref,
-    route_ref,
-    sigmoid_f32,
-)
+from cupymoe._runtime.compile import kernel_source
+from cupymoe.routing import Router, expert_maps_ref, route_ref, sigmoid_f32
+from cupymoe.routing.reference import _order_bits, _top_k_by_key
+from cupymoe.routing.topk import _warp_keys
 
 LANES = 32
 MASK32 = 0xFFFFFFFF
 
 
 def _network(n: int) -> list[tuple[int, int]]:
-    """The exchange list of ``sort_descending<n>`` as written in routing.cu."""
+    """The exchange list of ``sort_descending<n>`` as written in topk.cuh."""
     if n == 2:
         return [(0, 1)]
-    src = kernel_source("routing")
+    src = kernel_source("route_fused")
     m = re.search(r"kNet\[(\d+)\]\[2\] = \{(.*?)\};", src[src.index(f"N == {n})") :], re.S)
-    assert m is not None, f"no sorting network for N = {n} in routing.cu"
+    assert m is not None, f"no sorting network for N = {n} in topk.cuh"
     pairs = [(int(a), int(b)) for a, b in re.findall(r"\{(\d+), (\d+)\}", m.group(2))]
     assert len(pairs) == int(m.group(1))
     return pairs
@@ -203,8 +198,8 @@ def test_groups_by_lanes_match_reference(
 
 
 def _kernel_constant(name: str) -> int:
-    """A ``constexpr int`` of routing.cu, read from the kernel source."""
-    found = re.search(rf"constexpr int {name} = (\d+);", kernel_source("routing"))
+    """A ``constexpr int`` of the routing kernels, read from the kernel source."""
+    found = re.search(rf"constexpr int {name} = (\d+);", kernel_source("route_fused"))
     assert found, name
     return int(found.group(1))
 

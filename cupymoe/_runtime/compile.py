@@ -47,7 +47,7 @@ __all__ = [
 #: offline by the test suite.
 SPEC_MODULES: tuple[str, ...] = (
     "cupymoe.experts.dequant",
-    "cupymoe.routing.route",
+    "cupymoe.routing.topk",
     "cupymoe.routing.maps",
     "cupymoe.layer.expand",
     "cupymoe.layer.finalize",

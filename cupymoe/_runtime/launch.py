@@ -17,7 +17,7 @@ before they read what the previous kernel wrote and before they write anything.
 
 Clusters (sm_90 and newer): ``launch(..., cluster=C)`` groups every C consecutive blocks along x
 into a cluster, co-scheduled on one GPC, whose blocks can reach each other's shared memory (the
-decode routing, ``routing.route.fused_cluster_size``). CuPy has no ``cuLaunchKernelEx``; it is
+decode routing, ``routing.topk.fused_cluster_size``). CuPy has no ``cuLaunchKernelEx``; it is
 called
 through ``ctypes`` on ``libcuda``.
 """

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(128, 1) route_warp(
 
 // General path: one block (256 threads) per token, any E <= 4096, k <= 64. Keys live in shared
 // memory; top-k by k rounds of block arg-max (each thread keeps its best key below the last
-// winner, so only the winner's thread rescans). Dynamic shared memory: see routing/route.py.
+// winner, so only the winner's thread rescans). Dynamic shared memory: see routing/topk.py.
 template <typename T, int kMethod>
 __global__ void __launch_bounds__(256) route_block(
     const T* __restrict__ logits, long long ld, int E, int k, int n_group, int topk_group,

@@ -12,7 +12,7 @@
 // an mbarrier of block 0 (no release fence: with mbarrier.arrive.release.cluster instead, the
 // launch took 0.15 us longer at M = 2 .. 8). The maps warps of blocks r > 0 only exit. Several
 // blocks are for the issue slots: with two routing warps on a scheduler every phase of a token
-// slows down (routing/route.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
+// slows down (routing/topk.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
 constexpr int kMapsBarrier = 1;
 
 // (blocks in this block's cluster, its rank there): (1, 0) without a cluster launch or sm_90.

@@ -8,7 +8,7 @@ routing) and :mod:`.maps` (the GPU expert maps).
 
 from .maps import GPU_MAX_EXPERTS, expert_maps
 from .reference import expert_maps_ref, random_routing, route_ref, sigmoid_f32
-from .route import route
+from .topk import route
 from .types import Router, Routing, RoutingMethod, check_device_routing
 
 __all__ = [
