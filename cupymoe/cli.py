@@ -31,16 +31,27 @@ from .presets import PRESETS, LayerShape, random_layer
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
+_dtype_option = click.option(
+    "--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True
+)
 
-def _shape_from_options(
-    preset: str | None,
-    hidden: int | None,
-    inter: int | None,
-    experts: int | None,
-    top_k: int | None,
-    fmt: str | None,
-) -> LayerShape:
-    """A preset with explicit options applied on top, or a fully explicit shape."""
+
+def _repeats_option(default: int, *, minimum: int) -> Any:
+    return click.option(
+        "--repeats", type=click.IntRange(min=minimum), default=default, show_default=True
+    )
+
+
+def _count_option(name: str, help: str) -> Any:
+    """An optional positive count (``None`` when not given)."""
+    return click.option(name, type=click.IntRange(min=1), default=None, help=help)
+
+
+def _shape_from_options(preset: str | None, **options: Any) -> LayerShape:
+    """A preset with the explicit options (``hidden``, ``inter``, ``experts``, ``top_k``,
+    ``fmt``; ``None`` when not given) applied on top, or a fully explicit shape."""
+    hidden, inter, experts = options["hidden"], options["inter"], options["experts"]
+    top_k, fmt = options["top_k"], options["fmt"]
     if preset is not None:
         base = PRESETS[preset]
     else:
@@ -140,9 +151,9 @@ _preset_option = click.option(
 @click.option("--top-k", type=int, help="experts per token")
 @click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
 @click.option("--tokens", type=click.IntRange(min=0), default=1, show_default=True)
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
+@_dtype_option
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@_repeats_option(5, minimum=1)
 @click.option(
     "--checkpoint",
     type=click.Path(exists=True),
@@ -188,7 +199,9 @@ def run(
     if checkpoint is not None:
         shape, kwargs = _checkpoint_layer(checkpoint, layer_index, naming, preset, top_k)
     else:
-        shape = _shape_from_options(preset, hidden, inter, experts, top_k, fmt)
+        shape = _shape_from_options(
+            preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, fmt=fmt
+        )
     try:
         if checkpoint is None:
             kwargs = random_layer(shape, rng)
@@ -266,14 +279,9 @@ def _require_gpu(command: str) -> None:
 @click.option(
     "--tokens", default="1,2,4,8,16,64", show_default=True, help="comma-separated token counts"
 )
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
-@click.option(
-    "--layers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="layers in the stack (default: enough to read 4x the L2 at one token)",
-)
-@click.option("--repeats", type=click.IntRange(min=3), default=30, show_default=True)
+@_dtype_option
+@_count_option("--layers", "layers in the stack (default: enough to read 4x the L2 at one token)")
+@_repeats_option(30, minimum=3)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write results as JSON")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="write results as CSV")
 def bench(
@@ -327,7 +335,7 @@ def bench(
     help="N,K of a GEMV to tune (repeatable); default: the preset's FC1 and FC2",
 )
 @click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
-@click.option("--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True)
+@_dtype_option
 @click.option(
     "--rows",
     default="1,2,4,8,16,32,64",
@@ -341,13 +349,11 @@ def bench(
     show_default=True,
     help="weight layout the GEMV reads: its split copy, or the uploaded bytes (pair, plain)",
 )
-@click.option(
+@_count_option(
     "--experts",
-    type=click.IntRange(min=1),
-    default=None,
-    help="experts per weight set, which sets how the rows spread (default: the preset's, else 32)",
+    "experts per weight set, which sets how the rows spread (default: the preset's, else 32)",
 )
-@click.option("--repeats", type=click.IntRange(min=3), default=20, show_default=True)
+@_repeats_option(20, minimum=3)
 def tune(
     preset: str | None,
     shapes: tuple[str, ...],

@@ -28,16 +28,17 @@ __all__ = [
 ACTIVATION_DTYPES: tuple[np.dtype, ...] = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
-def parse_enum(cls: Any, value: Any, name: str) -> Any:
-    """Member of enum ``cls`` from a member or its (case-insensitive) value; ``ValueError``
-    naming ``name`` and the valid values otherwise."""
+def parse_enum(cls: Any, value: Any, name: str, *, spelling: str = "value") -> Any:
+    """Member of enum ``cls`` from a member or its (case-insensitive) spelling, the attribute
+    ``spelling`` of the members; ``ValueError`` naming ``name`` and the valid spellings
+    otherwise."""
     if isinstance(value, cls):
         return value
     if isinstance(value, str):
         for member in cls:
-            if member.value == value.strip().lower():
+            if getattr(member, spelling) == value.strip().lower():
                 return member
-    valid = ", ".join(repr(m.value) for m in cls)
+    valid = ", ".join(repr(getattr(m, spelling)) for m in cls)
     raise ValueError(f"{name}: expected one of {valid} (or a {cls.__name__}), got {value!r}")
 
 

@@ -136,29 +136,13 @@ def fc1_batched(
 ) -> Any:
     """FC1 with the gated activation for every expanded row, via dequantize + cuBLAS.
 
-    Parameters
-    ----------
-    x : cupy.ndarray
-        ``[n_tokens, hidden]`` bf16 or fp16, token order (row ``r`` reads token
-        ``sorted_rows[r] // top_k``).
-    gate, up : DeviceFp4
-        ``[n_experts, intermediate, hidden]`` each, with their own global scales.
-    routing : Routing
-        CuPy (or NumPy) routing arrays; ``expert_offsets`` is read back to the host.
-    act : ActivationSpec
-        The gated activation.
-    gate_bias, up_bias : array, optional
-        float32 ``[n_experts, intermediate]``.
-    out : cupy.ndarray, optional
-        ``[n_tokens * top_k, intermediate]`` of ``x.dtype``.
+    ``x [n_tokens, hidden]`` (bf16 or fp16, token order: row ``r`` reads token
+    ``sorted_rows[r] // top_k``) times ``gate`` and ``up`` (``DeviceFp4 [n_experts,
+    intermediate, hidden]``, each with its own global scales), plus the float32 biases
+    ``[n_experts, intermediate]``, through ``act``; ``routing`` holds CuPy (or NumPy) arrays and
+    its ``expert_offsets`` is read back to the host. Returns (or fills ``out``) ``h [n_tokens *
+    top_k, intermediate]`` in expanded order, dtype of ``x``.
 
-    Returns
-    -------
-    cupy.ndarray
-        ``h [n_tokens * top_k, intermediate]`` in expanded order, dtype of ``x``.
-
-    Notes
-    -----
     Not capturable (one host synchronisation, per-call workspaces); float32 SGEMM, fp32 bias and
     activation, one rounding to ``x.dtype``.
     """
@@ -195,26 +179,11 @@ def fc2_batched(
 ) -> Any:
     """FC2 for every expanded row, via dequantize + cuBLAS.
 
-    Parameters
-    ----------
-    h : cupy.ndarray
-        ``[n_tokens * top_k, intermediate]`` bf16 or fp16, expanded order.
-    down : DeviceFp4
-        ``[n_experts, hidden, intermediate]``.
-    routing : Routing
-        CuPy (or NumPy) routing arrays; ``expert_offsets`` is read back to the host.
-    bias : array, optional
-        float32 ``[n_experts, hidden]``.
-    out : cupy.ndarray, optional
-        ``[n_tokens * top_k, hidden]`` of ``h.dtype``.
+    ``h [n_tokens * top_k, intermediate]`` (bf16 or fp16, expanded order) times ``down``
+    (``DeviceFp4 [n_experts, hidden, intermediate]``) plus the float32 ``bias [n_experts,
+    hidden]``; ``routing`` as in :func:`fc1_batched`. Returns (or fills ``out``) ``y [n_tokens *
+    top_k, hidden]`` in expanded order, dtype of ``h``.
 
-    Returns
-    -------
-    cupy.ndarray
-        ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``.
-
-    Notes
-    -----
     Not capturable (one host synchronisation, per-call workspaces); float32 SGEMM and bias, one
     rounding to ``h.dtype``.
     """

@@ -148,65 +148,29 @@ def _entries(path: str) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(
-    path: str,
-    device_name: str,
-    fmt: Any,
-    dtype: Any,
-    n: int,
-    k: int,
-    rows: int,
-    op: str,
-    layout: WeightLayout | str,
-) -> tuple[tuple[str, Any], ...] | None:
-    key = cache_key(
-        device_name=device_name, fmt=fmt, dtype=dtype, n=n, k=k, rows=rows, op=op, layout=layout
-    )
-    entry = _entries(path).get(key)
+def _lookup(path: str, problem: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...] | None:
+    entry = _entries(path).get(cache_key(**dict(problem)))
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
         return None if entry is None else ()
     return tuple(sorted(entry["config"].items()))
 
 
 def tuned_fields(
-    *,
-    device_name: str,
-    fmt: Any,
-    dtype: Any,
-    n: int,
-    k: int,
-    rows: int,
-    op: str = "fc2",
-    layout: WeightLayout | str = WeightLayout.SPLIT,
-    path: str | os.PathLike[str] | None = None,
+    *, path: str | os.PathLike[str] | None = None, **problem: Any
 ) -> dict[str, Any] | None:
-    """The stored ``GemvConfig`` fields of this problem (``{"cta_n": 64, "threads": 128}``), or
+    """The stored ``GemvConfig`` fields of a problem (``{"cta_n": 64, "threads": 128}``), or
     ``None`` when the cache has no entry; an entry without fields gives ``{}``.
 
-    Parameters
-    ----------
-    device_name : str
-        GPU name (:func:`cupymoe._runtime.device.device_name`).
-    fmt : Fp4Format or str
-    dtype : dtype
-        Activation dtype (bfloat16 or float16).
-    n, k : int
-        Output rows and reduction length of the GEMV.
-    rows : int
-        Expanded rows of the call; mapped with :func:`row_bucket`.
-    op : {"fc1", "fc2"}
-        Which GEMV (FC1 reads gate and up rows: twice the rows of the same N).
-    layout : WeightLayout
-        The weight layout the kernel reads.
-    path : path, optional
-        Cache file (default :func:`cache_path`).
+    ``problem`` holds the keywords of :func:`cache_key` (``device_name``: the GPU's name, ``""``
+    nowhere; ``fmt``; ``dtype``: the activation dtype; ``n``, ``k``; ``rows``: expanded rows,
+    mapped with :func:`row_bucket`; ``op``: ``"fc1"`` or ``"fc2"``; ``layout``: the
+    :class:`~.layouts.WeightLayout` the kernel reads). ``path``: the cache file (default
+    :func:`cache_path`).
 
-    Notes
-    -----
     Memoised: the file is parsed once per process (again after :func:`store_results` /
     :func:`clear_cache`). A missing or corrupt file means "no entry".
     """
-    found = _lookup(str(path or cache_path()), device_name, fmt, dtype, n, k, rows, op, layout)
+    found = _lookup(str(path or cache_path()), tuple(sorted(problem.items())))
     return None if found is None else dict(found)
 
 

@@ -135,31 +135,13 @@ def fc2(
 ) -> Any:
     """FC2: ``y[r] = h[r] W[e]^T + b[e]`` for every expanded row ``r`` of expert ``e``.
 
-    Parameters
-    ----------
-    h : cupy.ndarray
-        ``[n_tokens * top_k, intermediate]`` bf16 or fp16, expanded order.
-    weights : PreparedFc2
-    routing : Routing
-    out : cupy.ndarray, optional
-        ``[n_tokens * top_k, hidden]`` of ``h.dtype``.
-    config : GemvConfig, optional
-    row_window : int
-        Above this many expanded rows, :func:`.batched.fc2_batched` runs instead of the GEMV.
-    pdl : bool
-        Make the GEMV launch a programmatic dependent launch that reads the routing maps and
-        builds its scale tables while the previous kernel finishes and waits for it only before
-        it reads ``h``. Only when the previous kernel on the stream ran after ``routing`` was
-        complete: this call's :func:`fc1`, as in ``MoELayer``.
-
-    Returns
-    -------
-    cupy.ndarray
-        ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``.
-
-    Notes
-    -----
-    Numerics and capturability as :func:`fc1`.
+    ``h`` is ``[n_tokens * top_k, intermediate]`` bf16 or fp16 in expanded order; the result (or
+    ``out``) ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``. ``config`` and
+    ``row_window`` as in :func:`fc1`; :func:`.batched.fc2_batched` runs above the window. ``pdl``:
+    a programmatic dependent launch that reads the routing maps and builds its scale tables while
+    the previous kernel finishes and waits for it only before it reads ``h``; only when the
+    previous kernel on the stream ran after ``routing`` was complete (this call's :func:`fc1`, as
+    in ``MoELayer``). Numerics and capturability as :func:`fc1`.
     """
     if not isinstance(weights, PreparedFc2):
         raise TypeError(f"weights: expected PreparedFc2, got {type(weights).__name__}")

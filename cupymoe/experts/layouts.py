@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from .._runtime.backend import require_cupy
+from .._runtime.validate import parse_enum
 from ..formats import Fp4Format
 from ..formats.codes import PAIR_SLOT
 
@@ -68,14 +69,7 @@ class WeightLayout(enum.Enum):
     @classmethod
     def parse(cls, value: str | WeightLayout, name: str = "layout") -> WeightLayout:
         """``WeightLayout`` from a member or its :attr:`key` (case-insensitive)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            for member in cls:
-                if member.key == value.strip().lower():
-                    return member
-        valid = ", ".join(repr(m.key) for m in cls)
-        raise ValueError(f"{name}: expected one of {valid} (or a WeightLayout), got {value!r}")
+        return parse_enum(cls, value, name, spelling="key")
 
 
 #: The layout of ``prepare_fc1`` / ``prepare_fc2`` and ``MoELayer`` when none is given.

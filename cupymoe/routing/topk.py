@@ -1,29 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GPU routing: choose ``top_k`` experts per token and group the expanded rows by expert.
+"""GPU routing: choose ``top_k`` experts per token (``route``), then the expert maps.
 
-``route`` (GPU) and ``route_ref`` (NumPy) make the same choices, bit for bit:
-
-* **Keys.** Logits are converted to float32 (exact for float16 / bfloat16). Experts are ranked by
-  a score, ties go to the lower expert id, always. A NaN score ranks below every number,
-  including ``-inf``; ``-0.0`` equals ``+0.0``.
-* **softmax_topk.** Selection by logit (softmax is monotone: selecting by logit is exact and
-  avoids ties created by rounding the probabilities). ``m`` = the largest non-NaN logit;
-  numerator ``q_i = exp(l_i - m)``, with ``q_i = 1`` where ``l_i == m`` (so with ``+inf`` logits
-  the mass is shared by the ``+inf`` entries; with only ``-inf`` logits, by all of them) and
-  ``q_i = 0`` for NaN. Weights ``q_j / sum_i q_i`` (all experts), or ``q_j / sum_{chosen} q``
-  with ``renormalize``. A row of only NaN gets experts ``0..k-1`` with weight 0.
-* **topk_softmax.** The same choice; weights ``q_j / sum_{chosen} q`` (identical to
-  ``softmax_topk`` with ``renormalize``).
-* **sigmoid_grouped.** ``s = sigmoid(l)`` and the choice score ``c = s + correction_bias`` in
-  float32 by a *defined* sequence of IEEE round-to-nearest float32 operations
-  (:func:`sigmoid_f32`, mirrored in ``cuda/routing_math.cuh``), so selection, which depends on the
-  rounding of ``c``, is reproduced exactly. Group score = sum (float32) of the two largest ``c``
-  of the group (a NaN expert counts as ``-inf``); the ``topk_group`` best groups are kept (ties:
-  lower group); top-k of ``c`` over the kept experts (NaN experts of kept groups rank last).
-  Weights ``s_j / sum_{chosen} s * routed_scaling_factor`` (``renormalize``; 0 when the sum is
-  0) or ``s_j * routed_scaling_factor``; NaN experts have ``s = 0``.
-
-Weights of the GPU path equal the reference's to float32 rounding; ids and maps are exact.
+``route`` makes the choices of :func:`~.reference.route_ref` bit for bit (the semantics of keys,
+ties, NaN, infinities and each method are stated there); weights equal the reference's to float32
+rounding. One launch at decode sizes (``cuda/route_fused.cu``: top-k and maps together), else a
+routing launch (``cuda/route.cu``) followed by :func:`~.maps.expert_maps`'s launches.
 """
 
 from __future__ import annotations
