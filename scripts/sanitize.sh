@@ -14,7 +14,7 @@ printf '%-10s %-7s %-6s %s\n' tool errors exit checks > "$summary"
 for tool in memcheck racecheck initcheck synccheck; do
   log="$LOGS/sanitize_$tool.log"
   # racecheck did not finish the routing's cluster launch (M > 4 on sm_90+) in minutes on the
-  # H200 (session 10): under racecheck the decode routing runs as one block (CUPYMOE_CLUSTERS=0);
+  # H200: under racecheck the decode routing runs as one block (CUPYMOE_CLUSTERS=0);
   # the other three tools check the cluster path.
   clusters=1
   if [ "$tool" = racecheck ]; then clusters=0; fi

@@ -60,7 +60,7 @@ def test_header_edit_changes_source(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_stage_lists_specs() -> None:
     specs = all_kernel_specs()
     stages = {s.stage for s in specs}
-    assert {"dequant", "routing", "expand", "finalize", "gemv_fp4"} <= stages
+    assert {"dequant", "route", "route_fused", "maps", "expand", "finalize", "gemv_fp4"} <= stages
     assert len(specs) == len(set(specs))
 
 

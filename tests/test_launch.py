@@ -62,7 +62,7 @@ def test_launch_config_cluster(pdl: bool) -> None:
 
 def test_cluster_must_divide_the_grid() -> None:
     pytest.importorskip("cupy")
-    spec = launch_mod.KernelSpec("routing", "route_fused", ("float", 1, 8))
+    spec = launch_mod.KernelSpec("route_fused", "route_fused", ("float", 1, 8))
     with pytest.raises(ValueError, match="whole number of 2-block clusters"):
         launch_mod.launch(spec, 3, 64, (np.int32(1),), cluster=2)  # before any compile
 
