@@ -588,3 +588,28 @@ def test_loaded_layer_builds_and_matches_the_original(
             if key in original:
                 original[key] = original[key].astype(np.float32)
         assert np.array_equal(out, cm.moe_reference(x, logits, cm.MoELayer(**original, **options)))
+
+
+def test_safetensors_package_reads_our_files_but_not_f8_e4m3(tmp_path: Path) -> None:
+    """Why ``cupymoe.io.safetensors`` keeps its own reader: the ``safetensors`` package reads the
+    U8 / BF16 / F32 tensors of our files exactly, and fails on F8_E4M3 (NVFP4 block scales),
+    which ours reads bit for bit."""
+    st = pytest.importorskip("safetensors")
+    from cupymoe.io.safetensors import read_tensor, write_safetensors
+
+    codes = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    act = np.linspace(-2, 2, 6).astype(ml_dtypes.bfloat16)
+    gscale = np.array([0.5, 0.25], np.float32)
+    scales = np.array([0x38, 0x40, 0x7E], np.uint8).view(ml_dtypes.float8_e4m3fn)  # 1, 2, 448
+    path = str(tmp_path / "w.safetensors")
+    write_safetensors(path, {"codes": codes, "act": act, "gscale": gscale, "scales": scales})
+    with st.safe_open(path, framework="np") as f:
+        for name, want in (("codes", codes), ("act", act), ("gscale", gscale)):
+            got = f.get_tensor(name)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+        with pytest.raises(Exception, match="float8_e4m3fn"):
+            f.get_tensor("scales")
+    ours = read_tensor(path, "scales")
+    assert ours.dtype == ml_dtypes.float8_e4m3fn
+    assert ours.view(np.uint8).tolist() == [0x38, 0x40, 0x7E]
+    assert ours.astype(np.float32).tolist() == [1.0, 2.0, 448.0]

@@ -7,6 +7,16 @@ Format (little-endian): an 8-byte ``u64`` header size ``N``, then ``N`` bytes of
 is C-ordered. The reader maps the buffer with :class:`numpy.memmap`, so only the bytes of the
 tensors asked for are read from disk (real checkpoints are tens of GB, in shards).
 :class:`Checkpoint` opens one file, a directory of shards or a ``model.safetensors.index.json``.
+
+Why our own reader and writer rather than the ``safetensors`` package: its NumPy API
+(``safetensors.numpy.load_file``, ``safe_open(..., framework="np")``, version 0.8) reads U8,
+BF16 and F32 tensors, but fails on F8_E4M3 (``module 'numpy' has no attribute
+'float8_e4m3fn'``), the dtype of every NVFP4 checkpoint's block scales, and ``load_file`` then
+fails for the whole file. Reading those tensors as raw bytes around it would leave two readers
+of one format (and two sets of error messages); this module reads every dtype the checkpoints
+hold through ``ml_dtypes``, validates the header with errors that name the file and the tensor,
+and writes files the package reads (``tests/test_checkpoint.py`` shows both: the package's
+reads of our files, and its failure on F8_E4M3 where ours succeeds).
 """
 
 from __future__ import annotations
