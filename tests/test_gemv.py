@@ -498,7 +498,7 @@ def test_tile_scales_layout() -> None:
 class Case:
     fmt: str
     dtype: np.dtype
-    order: str  # ORDERS: plain / pair = the DeviceFp4 bytes (gemv_order "native"), split
+    order: str  # ORDERS: plain / pair = the DeviceFp4 bytes (layouts PLAIN, PAIR), split
     bias: bool
     n: int  # output columns (I for fc1, H for fc2)
     k: int
