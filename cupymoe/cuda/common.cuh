@@ -29,15 +29,6 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(v);
 }
 
-// ---- E2M1: 1 sign, 2 exponent bits (bias 1), 1 mantissa bit; |v| in {0, .5, 1, 1.5, 2, 3, 4, 6}
-__device__ __forceinline__ float decode_e2m1(uint32_t code) {
-    // Magnitude table in registers: codes 0..7 -> {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
-    const uint32_t mag = code & 7u;
-    const float exp_part = (mag >= 2u) ? __int_as_float((126 + (int)(mag >> 1)) << 23) : 0.5f;
-    const float v = (mag >= 2u) ? exp_part * (1.0f + 0.5f * (float)(mag & 1u)) : exp_part * (float)mag;
-    return (code & 8u) ? -v : v;
-}
-
 // ---- E4M3FN: bias 7, subnormals m * 2^-9, max 448, NaN at 0x7F / 0xFF, no infinity ----------
 __device__ __forceinline__ float decode_e4m3(uint32_t byte) {
     const uint32_t exponent = (byte >> 3) & 0xFu;
@@ -73,7 +64,7 @@ template <int kFormat> struct FormatTraits;
 template <> struct FormatTraits<0> { static constexpr int kBlock = 16; };
 template <> struct FormatTraits<1> { static constexpr int kBlock = 32; };
 
-// ---- programmatic dependent launch (cupymoe/_launch.py) ---------------------------------------
+// ---- programmatic dependent launch (cupymoe/_runtime/launch.py) -------------------------------
 // Waits until the previous kernel on the stream has completed and its writes are visible, then
 // lets the next kernel (when it is a programmatic dependent launch) start its prologue. A kernel
 // launched this way calls it, in every thread, before it reads what the previous kernel wrote and
