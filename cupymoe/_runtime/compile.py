@@ -52,6 +52,7 @@ SPEC_MODULES: tuple[str, ...] = (
     "cupymoe.layer.expand",
     "cupymoe.layer.finalize",
     "cupymoe.experts.gemv",
+    "cupymoe.experts.gemm",
 )
 
 #: The C++ spelling of each dtype a kernel template takes (``T``, ``TOut``, ...): the one table.

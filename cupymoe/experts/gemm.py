@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grouped FP4 expert GEMM on tensor cores for batches above the GEMV window.
+
+Same functions as :mod:`cupymoe.gemv` (``fc1_gemm`` = FC1 with the gated activation fused,
+``fc2_gemm`` = FC2), same numerics contract (exact ``e2m1 x scale`` 16-bit products, fp32
+accumulation, the FP32 global scales, biases and the activation in fp32, one rounding), read from
+the same resident weights: the split layout (:func:`.layouts.gemv_layout`). The kernels
+(``cuda/gemm_fp4.cu``) are persistent: the tile schedule comes from the expert maps on the device,
+so every call is capturable in a CUDA graph (no host read, no allocation with ``out``).
+
+A block tile is ``bm`` weight rows x ``bn`` expanded rows of one expert (:class:`GemmConfig`);
+the configuration is chosen on the host from the average rows per active expert
+(:func:`GemmConfig.for_rows`), which the host knows without reading the routing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+from .._runtime.backend import require_cupy
+from .._runtime.compile import CTYPE, KernelSpec, get_kernel
+from .._runtime.launch import launch
+from .._runtime.validate import ACTIVATION_DTYPES, device_output
+from ..formats import Fp4Format
+from ..routing import Routing
+from .activation import Activation, ActivationSpec
+from .layouts import WeightLayout, chunk_count
+
+__all__ = [
+    "GEMM_TILINGS",
+    "TILING_FOR_ROWS_PER_EXPERT",
+    "GemmConfig",
+    "gemm_fc1",
+    "gemm_fc2",
+    "kernel_specs",
+    "row_tiles",
+    "schedule_ref",
+]
+
+
+#: Bytes of one pipeline stage per m-tile (weights) and per expanded row (activations); scale
+#: bytes per m-tile: 128 (NVFP4) or 64 (MXFP4). Mirrors Gemm<> in cuda/gemm_fp4.cu.
+_MTILE_BYTES = 1024
+_XROW_BYTES = 256
+_SCALE_TILE_BYTES = {Fp4Format.NVFP4.code: 128, Fp4Format.MXFP4.code: 64}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One tiling: ``warps_m x warps_n`` warps, each ``mt`` m-tiles (16 weight rows) by ``nt``
+    n-tiles (8 expanded rows), ``stages`` cp.async stages of 128 codes of K."""
+
+    warps_m: int
+    warps_n: int
+    mt: int
+    nt: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("warps_m", "warps_n", "mt", "nt", "stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+        key = self.key
+        if key not in GEMM_TILINGS:
+            raise ValueError(
+                f"GemmConfig: {key} is not compiled; expected one of {list(GEMM_TILINGS)}"
+            )
+
+    @property
+    def key(self) -> tuple[int, int, int, int, int]:
+        """The template arguments (warps_m, warps_n, mt, nt, stages)."""
+        return (self.warps_m, self.warps_n, self.mt, self.nt, self.stages)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def m_tiles(self) -> int:
+        """m-tiles (16 weight rows: FC2 16 columns, FC1 8 columns x gate and up) per block."""
+        return self.warps_m * self.mt
+
+    @property
+    def bn(self) -> int:
+        """Expanded rows of one expert per block tile."""
+        return self.warps_n * self.nt * 8
+
+    def stage_bytes(self, fmt_code: int) -> int:
+        return self.m_tiles * (_MTILE_BYTES + _SCALE_TILE_BYTES[fmt_code]) + self.bn * _XROW_BYTES
+
+    def shared_bytes(self, fmt_code: int, slots: int) -> int:
+        """Dynamic shared memory of a launch: the stages and the row-tile table of ``slots``."""
+        return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
+
+    @staticmethod
+    def for_rows(rows: int, n_experts: int) -> GemmConfig:
+        """The tiling for ``rows`` expanded rows over ``n_experts`` experts, from the average
+        rows per active expert (at most ``min(rows, E)`` experts are active):
+        :data:`TILING_FOR_ROWS_PER_EXPERT`."""
+        per_expert = rows / max(1, min(rows, n_experts))
+        for limit, tiling in TILING_FOR_ROWS_PER_EXPERT:
+            if per_expert <= limit:
+                return GemmConfig(*tiling)
+        return GemmConfig(*GEMM_TILINGS[-1])
+
+
+#: (warps_m, warps_n, mt, nt, stages) compiled for every format, dtype, op and bias.
+GEMM_TILINGS: tuple[tuple[int, int, int, int, int], ...] = (
+    (4, 1, 2, 2, 4),  # bn 16: 128 threads, 4 blocks per SM
+    (4, 1, 2, 4, 4),  # bn 32: 128 threads, 3 blocks per SM
+    (4, 2, 2, 8, 4),  # bn 128: 256 threads, 1 block per SM (208 registers, 169 KB shared)
+)
+
+#: Analytic table: (largest average rows per active expert, tiling); above the last entry the
+#: bn 128 tiling. Measured on the H200 (FC1 + FC2 graph replays over HBM-resident weights, µs;
+#: bn 16 / 32 / 64 / 128): Qwen3.6 M = 256 (8 rows per expert) 230 / 285 / 631 / 866; M = 1,024
+#: (32) 544 / 432 / 660 / 905; M = 4,096 (128) 1,850 / 1,305 / 1,590 / 1,351; gpt-oss M = 64
+#: (8) 235 / 283 / 566 / 804; M = 4,096 (512) 6,438 / 4,346 / 4,778 / 3,672; DeepSeek-V3 M = 512
+#: (16) 4,024 / 3,721 / 7,450 / 10,161. bn 64 never won and is not compiled.
+TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], ...] = (
+    (8, GEMM_TILINGS[0]),
+    (256, GEMM_TILINGS[1]),
+)
+
+
+def row_tiles(expert_offsets: Any, active: Any, bn: int) -> np.ndarray:
+    """NumPy transcription of the kernels' schedule scan: the first row tile of each active slot
+    and the total (``[slots + 1]``); slot ``j`` holds ``ceil(rows(active[j]) / bn)`` tiles."""
+    off = np.asarray(expert_offsets, dtype=np.int64)
+    act = np.asarray(active, dtype=np.int64)
+    rows = np.where(act >= 0, off[np.clip(act, 0, None) + 1] - off[np.clip(act, 0, None)], 0)
+    counts = -(-rows // bn)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+def schedule_ref(
+    expert_offsets: Any, active: Any, *, bn: int, col_blocks: int
+) -> list[tuple[int, int, int, int]]:
+    """Every work item of a launch in item order, as the kernels decode them:
+    ``(expert, first expanded row, rows, column block)``. Row tiles major, column block minor."""
+    start = row_tiles(expert_offsets, active, bn)
+    off = np.asarray(expert_offsets, dtype=np.int64)
+    items = []
+    for index in range(int(start[-1]) * col_blocks):
+        rt, cb = divmod(index, col_blocks)
+        slot = int(np.searchsorted(start, rt, side="right")) - 1
+        e = int(active[slot])
+        row0 = int(off[e]) + (rt - int(start[slot])) * bn
+        items.append((e, row0, min(bn, int(off[e + 1]) - row0), cb))
+    return items
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=64)
+def _sm_count(device_id: int) -> int:
+    cupy = require_cupy()
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
+
+
+_SMEM_LIMIT_SET: dict[tuple[int, KernelSpec], int] = {}
+
+
+def _resident_blocks(spec: KernelSpec, config: GemmConfig, smem: int) -> int:
+    """Blocks per SM of a launch (occupancy calculator), after raising the kernel's dynamic
+    shared-memory limit (kernels over 48 KB need it)."""
+    cupy = require_cupy()
+    kernel = get_kernel(spec)
+    key = (cupy.cuda.Device().id, spec)
+    if _SMEM_LIMIT_SET.get(key, 0) < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+        _SMEM_LIMIT_SET[key] = smem
+    blocks = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, config.threads, smem
+    )
+    if blocks < 1:
+        raise ValueError(f"{spec.expression}: {smem} bytes of shared memory do not fit one SM")
+    return int(blocks)
+
+
+def _grid(
+    spec: KernelSpec, config: GemmConfig, smem: int, rows: int, slots: int, col_blocks: int
+) -> int:
+    """Persistent grid: every resident block, or fewer when the items cannot fill them (at most
+    ``ceil(rows / bn) + slots`` row tiles)."""
+    cupy = require_cupy()
+    resident = _resident_blocks(spec, config, smem) * _sm_count(cupy.cuda.Device().id)
+    bound = (-(-rows // config.bn) + slots) * col_blocks
+    return max(1, min(resident, bound))
+
+
+def gemm_fc1(
+    x: Any,
+    weights: Any,
+    routing: Routing,
+    *,
+    act: ActivationSpec,
+    top_k: int,
+    shift: int,
+    out: Any = None,
+    config: GemmConfig | None = None,
+    pdl: bool = False,
+) -> Any:
+    """FC1 as a grouped GEMM: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
+
+    Arguments as validated by :func:`.dispatch.fc1`: ``weights`` a :class:`.gemv.PreparedFc1` in
+    the SPLIT layout, ``shift`` the MXFP4 scale shift (:func:`.gemv.scale_shift`). Returns
+    ``h [rows, intermediate]`` in expanded order, dtype of ``x``. Capturable; bitwise
+    deterministic for a given config.
+    """
+    g = weights.gate
+    if weights.layout is not WeightLayout.SPLIT:
+        raise ValueError(f"weights: the grouped GEMM reads the split layout, got {weights.layout}")
+    dtype = np.dtype(x.dtype)
+    rows = int(x.shape[0]) * top_k
+    out = device_output(out, (rows, g.n), dtype)
+    if rows == 0 or g.n == 0:
+        return out
+    cfg = GemmConfig.for_rows(rows, g.n_experts) if config is None else config
+    spec = KernelSpec(
+        "gemm_fp4",
+        "gemm_fc1",
+        (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None, *cfg.key),
+    )
+    slots = int(routing.active_experts.shape[0])
+    smem = cfg.shared_bytes(g.format.code, slots)
+    col_blocks = _ceil_div(_ceil_div(g.n, 8), cfg.m_tiles)  # m-tiles of 8 columns
+    launch(
+        spec,
+        _grid(spec, cfg, smem, rows, slots, col_blocks),
+        cfg.threads,
+        (
+            x,
+            routing.sorted_rows,
+            weights.kernel_gate,
+            weights.kernel_up,
+            weights.kernel_scales,
+            g.global_scale,
+            weights.up.global_scale,
+            weights.gate_bias,
+            weights.up_bias,
+            routing.expert_offsets,
+            routing.active_experts,
+            out,
+            np.int32(g.n_experts),
+            np.int32(slots),
+            np.int32(g.n),
+            np.int32(g.k),
+            np.int32(chunk_count(g.k)),
+            np.int32(top_k),
+            np.int32(shift),
+            np.float32(act.alpha),
+            np.float32(act.limit),
+        ),
+        shared_mem=smem,
+        pdl=pdl,
+    )
+    return out
+
+
+def gemm_fc2(
+    h: Any,
+    weights: Any,
+    routing: Routing,
+    *,
+    shift: int,
+    out: Any = None,
+    config: GemmConfig | None = None,
+    pdl: bool = False,
+) -> Any:
+    """FC2 as a grouped GEMM: ``y[r] = h[r] W[e]^T + b[e]`` (arguments as validated by
+    :func:`.dispatch.fc2`; ``weights`` a :class:`.gemv.PreparedFc2` in the SPLIT layout).
+    Returns ``y [rows, hidden]`` in expanded order, dtype of ``h``. A programmatic dependent
+    launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1)."""
+    w = weights.down
+    if weights.layout is not WeightLayout.SPLIT:
+        raise ValueError(f"weights: the grouped GEMM reads the split layout, got {weights.layout}")
+    dtype = np.dtype(h.dtype)
+    rows = int(h.shape[0])
+    out = device_output(out, (rows, w.n), dtype)
+    if rows == 0 or w.n == 0:
+        return out
+    cfg = GemmConfig.for_rows(rows, w.n_experts) if config is None else config
+    spec = KernelSpec(
+        "gemm_fp4",
+        "gemm_fc2",
+        (w.format.code, CTYPE[dtype], weights.bias is not None, *cfg.key),
+    )
+    slots = int(routing.active_experts.shape[0])
+    smem = cfg.shared_bytes(w.format.code, slots)
+    col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
+    launch(
+        spec,
+        _grid(spec, cfg, smem, rows, slots, col_blocks),
+        cfg.threads,
+        (
+            h,
+            weights.kernel_packed,
+            weights.kernel_scales,
+            w.global_scale,
+            weights.bias,
+            routing.expert_offsets,
+            routing.active_experts,
+            out,
+            np.int32(w.n_experts),
+            np.int32(slots),
+            np.int32(w.n),
+            np.int32(w.k),
+            np.int32(chunk_count(w.k)),
+            np.int32(shift),
+        ),
+        shared_mem=smem,
+        pdl=pdl,
+    )
+    return out
+
+
+def kernel_specs() -> list[KernelSpec]:
+    """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc2` can select: 2 formats x 2 dtypes
+    x 2 (bias) x len(GEMM_TILINGS) x (FC2 + 3 FC1 activations)."""
+    specs = []
+    for fmt in Fp4Format:
+        for dtype in ACTIVATION_DTYPES:
+            for bias in (False, True):
+                for tiling in GEMM_TILINGS:
+                    head = (fmt.code, CTYPE[np.dtype(dtype)])
+                    specs.append(KernelSpec("gemm_fp4", "gemm_fc2", (*head, bias, *tiling)))
+                    specs += [
+                        KernelSpec("gemm_fp4", "gemm_fc1", (*head, act.code, bias, *tiling))
+                        for act in Activation
+                    ]
+    return specs
