@@ -11,9 +11,8 @@ For every preset and token count M it builds a stack of L layers with distinct r
 that the weights one pass over the stack reads at M = 1 are over 4x the 60 MB L2 and every layer
 comes from HBM, as in a real decode step. Each layer gets its own random routing. FC1 over the L
 layers is captured into one CUDA graph and replayed (warm-up, then the median of the timed
-replays, CUDA events); FC2 likewise. Above the 64-row window the GEMVs take the batched path,
-which synchronises with the host and cannot be captured: those rows are timed eagerly and
-marked ``eager``.
+replays, CUDA events); FC2 likewise. Each call runs the backend ``cupymoe.experts.fc1`` / ``fc2``
+choose (the GEMV at few rows per expert, the grouped GEMM above), always as graph replays.
 
 Effective bandwidth counts the DISTINCT bytes a call must read: packed codes and block scales of
 the active experts (those with rows) plus their global scales; activations are not counted.
@@ -50,14 +49,6 @@ def _cupy() -> Any:
     import cupy
 
     return cupy
-
-
-def _row_window() -> int:
-    try:
-        from cupymoe.experts.config import ROW_WINDOW
-    except ImportError:
-        return 64
-    return int(ROW_WINDOW)
 
 
 def time_fn(fn: Callable[[], None], *, graph: bool, warmup: int, repeats: int) -> float:
@@ -175,7 +166,7 @@ def bench_preset(
         ys = [cupy.zeros((m * k, h), dtype=x.dtype) for _ in range(n_layers)]
 
         fc1_all, fc2_all = _stack_calls(stack, routings, x, hs, ys, act)
-        graph = m * k <= _row_window()
+        graph = True  # every token count is capturable
         fc1_us = time_fn(fc1_all, graph=graph, warmup=5, repeats=repeats) / n_layers
         fc2_us = time_fn(fc2_all, graph=graph, warmup=5, repeats=repeats) / n_layers
         fc1_bytes = sum(a * 2 * expert_bytes(i, h, fmt) for a in active) / n_layers

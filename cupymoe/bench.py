@@ -162,7 +162,7 @@ def bench_preset(
         )
         xd = cupy.asarray(x)
         ld = [cupy.asarray(lg) for lg in logits]
-        if layers[0].device_layer().capturable(m):
+        if layers[0].device_layer().capturable(dtype):
             mode = "graph"
             whole = record_graph(layers, m, dtype, chain=False, inputs=(xd, ld))
             total = median_event_us(whole.replay, whole.stream, repeats=repeats)

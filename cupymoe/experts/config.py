@@ -27,7 +27,6 @@ from .layouts import CHUNK, WeightLayout
 __all__ = [
     "BLOCKS_FOR_CTA_N",
     "ENV_GEMV_CONFIG",
-    "ROW_WINDOW",
     "TILINGS",
     "WIDE_MAX_BLOCKS",
     "GemvConfig",
@@ -36,9 +35,6 @@ __all__ = [
 
 #: Environment variable forcing one tiling for every GEMV call, e.g. ``"cta_n=32,threads=128"``.
 ENV_GEMV_CONFIG = "CUPYMOE_GEMV_CONFIG"
-
-#: Expanded rows above which fc1/fc2 switch to the batched (dequantize + cuBLAS) path.
-ROW_WINDOW = 64
 
 #: Every (cta_n, threads) the kernels are compiled for (kernel_specs lists all of them). The warps
 #: of a block split K. 4 warps: at most 128 registers per thread at cta_n 64 (4 blocks, 16 warps

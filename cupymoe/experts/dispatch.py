@@ -3,13 +3,17 @@
 
 ``fc1`` / ``fc2`` check their arguments once, then :func:`backend_for` picks the backend:
 
-* :attr:`Backend.GEMV` (:mod:`.gemv`): up to :data:`~.config.ROW_WINDOW` expanded rows, when the
-  GEMV can fold the MXFP4 scales exactly; capturable in a CUDA graph;
-* :attr:`Backend.BATCHED` (:mod:`.batched`): dequantize the active experts, then cuBLAS; every
-  other call; reads the expert offsets on the host, so it cannot be recorded in a graph.
+* :attr:`Backend.GEMV` (:mod:`.gemv`): up to :data:`GEMV_MAX_ROWS_PER_EXPERT` expanded rows per
+  active expert on the SPLIT layout, and every call on the PLAIN and PAIR layouts (which the
+  grouped GEMM does not read);
+* :attr:`Backend.GEMM` (:mod:`.gemm`): the grouped tensor-core GEMM, above that on SPLIT;
+* :attr:`Backend.BATCHED` (:mod:`.batched`): dequantize the active experts, then cuBLAS; only
+  for MXFP4 weights with fp16 activations whose block scales span more than the tensor-core
+  decode folds exactly (:func:`.layouts.mx_scale_shift`). It reads the expert offsets on the
+  host, so it cannot be recorded in a graph; the other two can, at every token count.
 
-A new backend (a grouped GEMM for prefill sizes) is one more member, one more rule in
-:func:`backend_for` and one more branch in :func:`fc1` / :func:`fc2`.
+All three read the one resident copy of the weights (:class:`.gemv.PreparedFc1`); the batched
+fallback rebuilds row-major copies of it per call.
 """
 
 from __future__ import annotations
@@ -22,33 +26,77 @@ from .._runtime.validate import check_activations
 from ..routing import Routing, check_device_routing
 from .activation import ActivationSpec, check_activation
 from .batched import fc1_batched, fc2_batched
-from .config import ROW_WINDOW, GemvConfig
+from .config import GemvConfig
+from .gemm import GemmConfig, gemm_fc1, gemm_fc2
 from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc2, scale_shift
+from .layouts import WeightLayout
 
-__all__ = ["ROW_WINDOW", "Backend", "backend_for", "capturable", "fc1", "fc2"]
+__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "Backend", "backend_for", "capturable", "fc1", "fc2"]
+
+#: Average expanded rows per active expert up to which the GEMV serves a call on the SPLIT
+#: layout: one pass of 8 rows per expert, each expert's weights read once. Above it the grouped
+#: GEMM, which shares each decoded weight tile among up to 128 rows. Measured on the H200 (FC1 +
+#: FC2 graph replays over HBM-resident weights, µs, GEMV / GEMM): Qwen3.6 M = 16 (1 row per
+#: expert) 63 / 89, M = 64 (2) 122 / 171; gpt-oss M = 16 (2) 109 / 166, M = 64 (8) 182 / 199;
+#: DeepSeek-V3 M = 16 (1) 632 / 853, M = 64 (2) 1,331 / 1,835.
+GEMV_MAX_ROWS_PER_EXPERT = 8
 
 
 class Backend(enum.Enum):
     """An implementation of the expert GEMMs."""
 
-    #: The tensor-core GEMV (:mod:`.gemv`): decode sizes, capturable.
+    #: The tensor-core GEMV (:mod:`.gemv`): few rows per expert, capturable.
     GEMV = "gemv"
-    #: Dequantize + cuBLAS (:mod:`.batched`): any size, not capturable.
+    #: The grouped tensor-core GEMM (:mod:`.gemm`): many rows per expert, capturable.
+    GEMM = "gemm"
+    #: Dequantize + cuBLAS (:mod:`.batched`): MXFP4 scales the tensor cores cannot fold.
     BATCHED = "batched"
 
 
-def backend_for(rows: int, shift: int | None, *, row_window: int = ROW_WINDOW) -> Backend:
-    """The backend of a call with ``rows`` expanded rows; ``shift`` is the GEMV's MXFP4 scale
-    shift (:func:`.gemv.scale_shift`), ``None`` when the GEMV cannot fold the scales exactly."""
-    if rows <= row_window and shift is not None:
+def backend_for(rows: int, shift: int | None, *, layout: WeightLayout, n_experts: int) -> Backend:
+    """The backend of a call with ``rows`` expanded rows over ``n_experts`` experts; ``shift``
+    is the MXFP4 scale shift (:func:`.gemv.scale_shift`), ``None`` when the tensor-core decode
+    cannot fold the scales exactly."""
+    if shift is None:
+        return Backend.BATCHED
+    if layout is not WeightLayout.SPLIT:
         return Backend.GEMV
-    return Backend.BATCHED
+    per_expert = rows / max(1, min(rows, n_experts))
+    return Backend.GEMV if per_expert <= GEMV_MAX_ROWS_PER_EXPERT else Backend.GEMM
 
 
-def capturable(rows: int) -> bool:
-    """Whether calls of ``rows`` expanded rows can take a capturable backend (a CUDA graph can
-    record them); the MXFP4 fp16 scale-range exception is a property of the weights."""
-    return rows <= ROW_WINDOW
+def capturable(shift: int | None) -> bool:
+    """Whether calls on weights with MXFP4 scale shift ``shift`` (:func:`.gemv.scale_shift`) can
+    be recorded in a CUDA graph: at every token count, unless the batched fallback runs."""
+    return shift is not None
+
+
+def _choose(
+    backend: Backend | None, config: Any, automatic: Backend
+) -> tuple[Backend, GemvConfig | None, GemmConfig | None]:
+    """The backend of a call and its config: ``backend`` when given, else the one ``config``
+    belongs to (a GemvConfig runs the GEMV, a GemmConfig the GEMM), else ``automatic``."""
+    if backend is not None and not isinstance(backend, Backend):
+        raise TypeError(f"backend: expected a Backend or None, got {type(backend).__name__}")
+    if config is not None and not isinstance(config, GemvConfig | GemmConfig):
+        raise TypeError(f"config: expected a GemvConfig or GemmConfig, got {type(config).__name__}")
+    implied = {GemvConfig: Backend.GEMV, GemmConfig: Backend.GEMM}.get(type(config))
+    if backend is not None and implied is not None and backend is not implied:
+        raise ValueError(
+            f"config: a {type(config).__name__} tiles the {implied.value} backend, "
+            f"got backend={backend.value}"
+        )
+    chosen = backend or implied or automatic
+    if automatic is Backend.BATCHED and chosen is not Backend.BATCHED:
+        raise ValueError(
+            f"backend: {chosen.value} cannot fold these MXFP4 scales exactly; only the batched "
+            "backend runs them"
+        )
+    return (
+        chosen,
+        config if isinstance(config, GemvConfig) else None,
+        config if isinstance(config, GemmConfig) else None,
+    )
 
 
 def fc1(
@@ -58,8 +106,8 @@ def fc1(
     *,
     act: ActivationSpec,
     out: Any = None,
-    config: GemvConfig | None = None,
-    row_window: int = ROW_WINDOW,
+    config: GemvConfig | GemmConfig | None = None,
+    backend: Backend | None = None,
     pdl: bool = False,
 ) -> Any:
     """FC1 with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
@@ -74,14 +122,17 @@ def fc1(
     act : ActivationSpec
     out : cupy.ndarray, optional
         ``[n_tokens * top_k, intermediate]`` of ``x.dtype``.
-    config : GemvConfig, optional
-        Tiling of the GEMV; default :meth:`GemvConfig.for_problem`.
-    row_window : int
-        Above this many expanded rows, :func:`.batched.fc1_batched` runs instead of the GEMV.
+    config : GemvConfig or GemmConfig, optional
+        A tiling; it also selects its backend (a GemvConfig runs the GEMV, a GemmConfig the
+        GEMM). Default: :func:`backend_for` and that backend's table
+        (:meth:`GemvConfig.for_problem` / :meth:`GemmConfig.for_rows`).
+    backend : Backend, optional
+        Force a backend (benchmarks and tests). The GEMM needs the SPLIT layout; MXFP4 scales
+        the tensor cores cannot fold need the batched backend (``ValueError`` otherwise).
     pdl : bool
-        Make the GEMV launch a programmatic dependent launch (:mod:`cupymoe._runtime.launch`):
-        its blocks build their scale tables while the previous kernel finishes and wait for it
-        before they read the routing maps. Safe after any kernel.
+        A programmatic dependent launch (:mod:`cupymoe._runtime.launch`): the blocks build their
+        scale tables while the previous kernel finishes and wait for it before they read the
+        routing maps. Safe after any kernel.
 
     Returns
     -------
@@ -92,10 +143,10 @@ def fc1(
     -----
     Weights times block scales are exact 16-bit numbers (times a power of two); products and sums
     in fp32 on tensor cores; global scales (gate and up separately), biases and the activation in
-    fp32; one rounding to ``x.dtype``. Capturable in a CUDA graph at or below the row window (no
-    host read, no allocation with ``out``). Bitwise deterministic for a given config. MXFP4 with
-    fp16 activations whose scales span more than :func:`.layouts.mx_scale_shift` can fold exactly
-    takes the batched path.
+    fp32; one rounding to ``x.dtype``. The GEMV and the GEMM are capturable in a CUDA graph at
+    every token count (no host read, no allocation with ``out``) and bitwise deterministic for a
+    given config. MXFP4 with fp16 activations whose scales span more than
+    :func:`.layouts.mx_scale_shift` can fold exactly takes the batched path.
     """
     if not isinstance(weights, PreparedFc1):
         raise TypeError(f"weights: expected PreparedFc1, got {type(weights).__name__}")
@@ -106,20 +157,36 @@ def fc1(
     dtype = check_activations(x, "x", g.k, x.shape[0], aligned=True)
     n_tokens, top_k = check_device_routing(routing, n_tokens=int(x.shape[0]), n_experts=g.n_experts)
     shift = scale_shift(weights, dtype)
-    if backend_for(n_tokens * top_k, shift, row_window=row_window) is Backend.BATCHED:
+    rows = n_tokens * top_k
+    automatic = backend_for(rows, shift, layout=weights.layout, n_experts=g.n_experts)
+    chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+    if chosen is Backend.BATCHED:
+        gate, up = weights.device_fp4()
         return fc1_batched(
             x,
-            g,
-            weights.up,
+            gate,
+            up,
             routing,
             act=act,
             gate_bias=weights.gate_bias,
             up_bias=weights.up_bias,
             out=out,
         )
-    assert shift is not None  # backend_for chose the GEMV
+    assert shift is not None  # the tensor-core backends fold the scales
+    if chosen is Backend.GEMM:
+        return gemm_fc1(
+            x,
+            weights,
+            routing,
+            act=act,
+            top_k=top_k,
+            shift=shift,
+            out=out,
+            config=gemm_cfg,
+            pdl=pdl,
+        )
     return gemv_fc1(
-        x, weights, routing, act=act, top_k=top_k, shift=shift, out=out, config=config, pdl=pdl
+        x, weights, routing, act=act, top_k=top_k, shift=shift, out=out, config=gemv_cfg, pdl=pdl
     )
 
 
@@ -129,19 +196,19 @@ def fc2(
     routing: Routing,
     *,
     out: Any = None,
-    config: GemvConfig | None = None,
-    row_window: int = ROW_WINDOW,
+    config: GemvConfig | GemmConfig | None = None,
+    backend: Backend | None = None,
     pdl: bool = False,
 ) -> Any:
     """FC2: ``y[r] = h[r] W[e]^T + b[e]`` for every expanded row ``r`` of expert ``e``.
 
     ``h`` is ``[n_tokens * top_k, intermediate]`` bf16 or fp16 in expanded order; the result (or
     ``out``) ``y [n_tokens * top_k, hidden]`` in expanded order, dtype of ``h``. ``config`` and
-    ``row_window`` as in :func:`fc1`; :func:`.batched.fc2_batched` runs above the window. ``pdl``:
-    a programmatic dependent launch that reads the routing maps and builds its scale tables while
-    the previous kernel finishes and waits for it only before it reads ``h``; only when the
-    previous kernel on the stream ran after ``routing`` was complete (this call's :func:`fc1`, as
-    in ``MoELayer``). Numerics and capturability as :func:`fc1`.
+    ``backend`` as in :func:`fc1`. ``pdl``: a programmatic dependent launch that reads the
+    routing maps (and builds its scale tables) while the previous kernel finishes and waits for
+    it only before it reads ``h``; only when the previous kernel on the stream ran after
+    ``routing`` was complete (this call's :func:`fc1`, as in ``MoELayer``). Numerics and
+    capturability as :func:`fc1`.
     """
     if not isinstance(weights, PreparedFc2):
         raise TypeError(f"weights: expected PreparedFc2, got {type(weights).__name__}")
@@ -150,7 +217,11 @@ def fc2(
     rows = n_tokens * top_k
     dtype = check_activations(h, "h", w.k, rows, aligned=True)
     shift = scale_shift(weights, dtype)
-    if backend_for(rows, shift, row_window=row_window) is Backend.BATCHED:
-        return fc2_batched(h, w, routing, bias=weights.bias, out=out)
-    assert shift is not None  # backend_for chose the GEMV
-    return gemv_fc2(h, weights, routing, shift=shift, out=out, config=config, pdl=pdl)
+    automatic = backend_for(rows, shift, layout=weights.layout, n_experts=w.n_experts)
+    chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+    if chosen is Backend.BATCHED:
+        return fc2_batched(h, weights.device_fp4(), routing, bias=weights.bias, out=out)
+    assert shift is not None  # the tensor-core backends fold the scales
+    if chosen is Backend.GEMM:
+        return gemm_fc2(h, weights, routing, shift=shift, out=out, config=gemm_cfg, pdl=pdl)
+    return gemv_fc2(h, weights, routing, shift=shift, out=out, config=gemv_cfg, pdl=pdl)

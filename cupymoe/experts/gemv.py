@@ -37,14 +37,17 @@ from .layouts import (
     chunk_count,
     gemv_layout,
     mx_scale_shift,
+    packed_from_layout,
     pad_packed,
     scale_range,
+    scales_from_tiles,
     tile_scales,
 )
 
 __all__ = [
     "PreparedFc1",
     "PreparedFc2",
+    "ResidentExperts",
     "gemv_fc1",
     "gemv_fc2",
     "kernel_specs",
@@ -55,23 +58,65 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class PreparedFc1:
-    """FC1 weights on the GPU: the :class:`DeviceFp4` uploads (for the batched path) + the GEMV's
-    layout.
+class ResidentExperts:
+    """One weight matrix as the kernels know it besides the bytes they read: format, shape and
+    global scales. Its codes and block scales live once, in the kernel layout of the
+    :class:`PreparedFc1` / :class:`PreparedFc2` that holds it."""
 
-    ``kernel_gate`` / ``kernel_up`` are the weights the kernel reads, in ``layout``: for PLAIN and
-    PAIR ``[E, I, chunks * 16]`` uint8, the packed arrays themselves when ``H % 32 == 0``, else
-    copies zero-padded along K to a multiple of 32 codes; for SPLIT the :func:`.layouts.gemv_layout`
-    copies (tiles of 8 rows).
+    format: Fp4Format
+    n_experts: int
+    n: int
+    k: int
+    global_scale: Any  # cupy float32 [E]; all ones for MXFP4
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block scale (16 for NVFP4, 32 for MXFP4)."""
+        return self.format.block_size
+
+    @classmethod
+    def of(cls, w: DeviceFp4) -> ResidentExperts:
+        return cls(w.format, w.n_experts, w.n, w.k, w.global_scale)
+
+
+def _plain(info: ResidentExperts, kernel: Any, scales: Any, layout: WeightLayout) -> DeviceFp4:
+    """``info``'s weights as a :class:`DeviceFp4` rebuilt from the resident kernel bytes (new
+    arrays: for the fallback that reads row-major bytes, never in the decode path)."""
+    cupy = require_cupy()
+    if layout is WeightLayout.SPLIT:
+        packed = packed_from_layout(kernel, info.n, info.k)
+    else:
+        packed = cupy.ascontiguousarray(kernel[:, :, : info.k // 2])
+    return DeviceFp4(
+        format=info.format,
+        packed=packed,
+        scales=scales,
+        global_scale=info.global_scale,
+        pair_interleaved=layout is not WeightLayout.SPLIT and layout.pair_interleaved,
+    )
+
+
+def _nbytes(*arrays: Any) -> int:
+    return sum(int(a.nbytes) for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedFc1:
+    """FC1 weights on the GPU, once: the kernels' layout of gate and up and their scale tiles.
+
+    ``kernel_gate`` / ``kernel_up`` are the weights every kernel reads, in ``layout``: for PLAIN
+    and PAIR ``[E, I, chunks * 16]`` uint8 (the uploaded packed arrays themselves when
+    ``H % 32 == 0``, else zero-padded along K to a multiple of 32 codes); for SPLIT the
+    :func:`.layouts.gemv_layout` tiles of 8 rows, which the GEMV and the grouped GEMM read.
     ``kernel_scales`` (uint8 ``[E, ceil(I / 8), chunks, 8 * 2 * 32 / block]``, see
     :func:`.layouts.tile_scales`) puts the scale bytes one lane needs per chunk (gate and up of
     one column) side by side: one 4- or 2-byte load. ``scale_range`` is the (min, max) MXFP4
     scale exponent byte of gate and up (NaN bytes left out), ``None`` for NVFP4: it picks the
-    kernel's power-of-two scale shift (:func:`.layouts.mx_scale_shift`).
+    kernels' power-of-two scale shift (:func:`.layouts.mx_scale_shift`).
     """
 
-    gate: DeviceFp4
-    up: DeviceFp4
+    gate: ResidentExperts
+    up: ResidentExperts
     kernel_gate: Any
     kernel_up: Any
     kernel_scales: Any
@@ -80,22 +125,53 @@ class PreparedFc1:
     up_bias: Any = None
     scale_range: tuple[int, int] | None = None
 
+    @property
+    def resident_bytes(self) -> int:
+        """GPU bytes of the weights: codes, block scales and global scales (biases excluded)."""
+        return _nbytes(
+            self.kernel_gate,
+            self.kernel_up,
+            self.kernel_scales,
+            self.gate.global_scale,
+            self.up.global_scale,
+        )
+
+    def device_fp4(self) -> tuple[DeviceFp4, DeviceFp4]:
+        """Gate and up as row-major :class:`DeviceFp4` copies, rebuilt from the resident bytes
+        (the batched fallback's input)."""
+        g = self.gate
+        scales = scales_from_tiles(self.kernel_scales, g.n, g.k, g.block_size, 2)
+        return (
+            _plain(g, self.kernel_gate, scales[0], self.layout),
+            _plain(self.up, self.kernel_up, scales[1], self.layout),
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class PreparedFc2:
-    """FC2 weights on the GPU: the :class:`DeviceFp4` upload + the GEMV's layout.
-
-    ``kernel_scales`` is uint8 ``[E, ceil(H / 16), chunks, 8 * 2 * 32 / block]`` (rows ``g`` and
-    ``g + 8`` of each 16-row tile side by side); ``kernel_packed`` and ``layout`` as in
-    :class:`PreparedFc1` (SPLIT: tiles of 16 rows); see :func:`.layouts.tile_scales`.
+    """FC2 weights on the GPU, once: ``kernel_packed`` (SPLIT: tiles of 16 rows) and
+    ``kernel_scales`` uint8 ``[E, ceil(H / 16), chunks, 8 * 2 * 32 / block]`` (rows ``g`` and
+    ``g + 8`` of each 16-row tile side by side); ``layout`` as in :class:`PreparedFc1`; see
+    :func:`.layouts.tile_scales`.
     """
 
-    down: DeviceFp4
+    down: ResidentExperts
     kernel_packed: Any
     kernel_scales: Any
     layout: WeightLayout
     bias: Any = None  # cupy float32 [E, H] or None
     scale_range: tuple[int, int] | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """GPU bytes of the weights: codes, block scales and global scales (bias excluded)."""
+        return _nbytes(self.kernel_packed, self.kernel_scales, self.down.global_scale)
+
+    def device_fp4(self) -> DeviceFp4:
+        """Down as a row-major :class:`DeviceFp4` copy rebuilt from the resident bytes."""
+        d = self.down
+        (scales,) = scales_from_tiles(self.kernel_scales, d.n, d.k, d.block_size, 1)
+        return _plain(d, self.kernel_packed, scales, self.layout)
 
 
 def scale_shift(weights: PreparedFc1 | PreparedFc2, dtype: Any) -> int | None:
@@ -168,8 +244,8 @@ def prepare_fc1(
         ]
     scales = tile_scales([g.scales, u.scales], g.k, g.block_size)
     return PreparedFc1(
-        g,
-        u,
+        ResidentExperts.of(g),
+        ResidentExperts.of(u),
         _kernel_weights(g, layout, 8),
         _kernel_weights(u, layout, 8),
         scales,
@@ -193,13 +269,13 @@ def prepare_fc2(
     b = None if bias is None else _device_bias(bias, "bias", d.n_experts, d.n)
     scales = tile_scales([d.scales], d.k, d.block_size)
     packed = _kernel_weights(d, layout, 16)
-    return PreparedFc2(d, packed, scales, layout, b, scale_range=scale_range(d))
+    return PreparedFc2(ResidentExperts.of(d), packed, scales, layout, b, scale_range=scale_range(d))
 
 
 # ---- GPU launches (validated arguments; see dispatch.fc1 / dispatch.fc2) ------------------------
 def _config(
     config: GemvConfig | None,
-    w: DeviceFp4,
+    w: ResidentExperts,
     rows: int,
     dtype: np.dtype,
     *,

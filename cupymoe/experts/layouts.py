@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 # fmt: off
 __all__ = [
     "CHUNK", "DEFAULT_LAYOUT", "WeightLayout", "check_expert_bytes", "chunk_count", "gemv_layout",
-    "mx_scale_shift", "pad_packed", "scale_range", "split_slot", "split_words", "tile_scales",
+    "mx_scale_shift", "packed_from_layout", "pad_packed", "scale_range", "scales_from_tiles",
+    "split_slot", "split_words", "tile_scales", "unsplit_words",
 ]
 # fmt: on
 
@@ -112,6 +113,23 @@ def pad_packed(packed: Any, k: int) -> Any:
     return xp.ascontiguousarray(xp.pad(packed, ((0, 0), (0, 0), (0, pad))))
 
 
+def _split_bits(pair_interleaved: bool) -> list[tuple[int, int, int]]:
+    """For each element i of a word: (its nibble slot in the plain or pair-interleaved order, the
+    bit of its lowest magnitude bit and of its sign bit in the split order)."""
+    bits = []
+    for i in range(8):
+        pair, half = divmod(i, 2)
+        slot = int(PAIR_SLOT[i]) if pair_interleaved else i
+        bits.append((slot, 16 * half + _SPLIT_MAG[pair], 16 * half + _SPLIT_SIGN[pair]))
+    return bits
+
+
+def _check_words(words: Any) -> Any:
+    if words.dtype != np.uint32:
+        raise TypeError(f"words: expected uint32, got {words.dtype}")
+    return _xp(words).zeros_like(words)
+
+
 def split_words(words: Any, pair_interleaved: bool) -> Any:
     """uint32 words of 8 codes (plain or pair-interleaved nibble order) -> the split order.
 
@@ -119,16 +137,22 @@ def split_words(words: Any, pair_interleaved: bool) -> Any:
     ``_SPLIT_MAG[p] ..+2`` and its sign at bit ``_SPLIT_SIGN[p]`` of the low (high) 16 bits: the
     places the GEMV's bf16 decode reaches with the fewest instructions. NumPy or CuPy.
     """
-    xp = _xp(words)
-    if words.dtype != np.uint32:
-        raise TypeError(f"words: expected uint32, got {words.dtype}")
-    out = xp.zeros_like(words)
-    for i in range(8):
-        slot = int(PAIR_SLOT[i]) if pair_interleaved else i
+    out = _check_words(words)
+    for slot, mag, sign in _split_bits(pair_interleaved):
         code = (words >> np.uint32(4 * slot)) & np.uint32(0xF)
-        pair, half = divmod(i, 2)
-        out |= (code & np.uint32(7)) << np.uint32(16 * half + _SPLIT_MAG[pair])
-        out |= (code >> np.uint32(3)) << np.uint32(16 * half + _SPLIT_SIGN[pair])
+        out |= (code & np.uint32(7)) << np.uint32(mag)
+        out |= (code >> np.uint32(3)) << np.uint32(sign)
+    return out
+
+
+def unsplit_words(words: Any, pair_interleaved: bool) -> Any:
+    """The inverse of :func:`split_words`: split-order words -> plain or pair-interleaved words."""
+    out = _check_words(words)
+    for slot, mag, sign in _split_bits(pair_interleaved):
+        code = ((words >> np.uint32(mag)) & np.uint32(7)) | (
+            ((words >> np.uint32(sign)) & np.uint32(1)) << np.uint32(3)
+        )
+        out |= code << np.uint32(4 * slot)
     return out
 
 
@@ -201,6 +225,48 @@ def tile_scales(scales: list[Any], k: int, block: int) -> Any:
     halves = xp.concatenate(parts, axis=2)  # [E, tiles, 2, 8, chunks, blocks]
     tiled = xp.ascontiguousarray(halves.transpose(0, 1, 4, 3, 2, 5))
     return tiled.reshape(n_experts, tiles, chunks, -1)
+
+
+def packed_from_layout(tiled: Any, n: int, k: int, *, pair_interleaved: bool = False) -> Any:
+    """The inverse of :func:`gemv_layout`: ``[E, tiles, chunks, rows_per_tile, 16]`` -> the packed
+    ``[E, n, k / 2]`` bytes (plain or pair-interleaved nibble order). NumPy or CuPy; converts a
+    bounded number of experts at a time. The fallback that needs row-major bytes rebuilds them
+    from the one resident copy with this."""
+    xp = _xp(tiled)
+    n_experts, tiles, chunks, rows, _ = tiled.shape
+    out = xp.empty((n_experts, n, k // 2), np.uint8)
+    step = max(1, (64 << 20) // max(1, tiles * rows * chunks * 16))
+    for lo in range(0, n_experts, step):
+        hi = min(n_experts, lo + step)
+        part = xp.empty((hi - lo, tiles, chunks, rows, 16), np.uint8)
+        for q in range(4):  # undo the slot rotation of the chunks c with c % 4 == q
+            slots = split_slot(np.arange(rows), q).tolist()
+            part[:, :, q::4] = tiled[lo:hi, :, q::4][:, :, :, slots]
+        rowmajor = xp.ascontiguousarray(part.transpose(0, 1, 3, 2, 4))
+        rowmajor = rowmajor.reshape(hi - lo, tiles * rows, chunks * 16)
+        words = unsplit_words(rowmajor.view(np.uint32), pair_interleaved)
+        out[lo:hi] = words.view(np.uint8)[:, :n, : k // 2]
+    return out
+
+
+def scales_from_tiles(tiled: Any, n: int, k: int, block: int, matrices: int) -> list[Any]:
+    """The inverse of :func:`tile_scales`: the ``matrices`` (2: gate and up, 1: down) scale
+    arrays ``[E, n, k / block]`` from the tiled bytes."""
+    xp = _xp(tiled)
+    n_experts, tiles, chunks, _ = tiled.shape
+    per_chunk = CHUNK // block
+    t = tiled.reshape(n_experts, tiles, chunks, 8, 2, per_chunk).transpose(0, 1, 4, 3, 2, 5)
+    rows = 16 // matrices
+    if matrices == 2:
+        parts = [t[:, :, m] for m in range(2)]  # [E, tiles, 8, chunks, blocks] each
+    else:
+        parts = [t]  # [E, tiles, 2, 8, chunks, blocks]: rows 0-7 and 8-15 of each tile
+    return [
+        xp.ascontiguousarray(
+            p.reshape(n_experts, tiles * rows, chunks * per_chunk)[:, :n, : k // block]
+        )
+        for p in parts
+    ]
 
 
 #: MXFP4: the interval the exponent byte plus the kernel's scale shift must stay in, per

@@ -16,7 +16,7 @@ import numpy as np
 
 from .._runtime.backend import require_cupy
 from ..experts.dispatch import capturable, fc1, fc2
-from ..experts.gemv import prepare_fc1, prepare_fc2
+from ..experts.gemv import prepare_fc1, prepare_fc2, scale_shift
 from ..routing import Routing, route
 from .finalize import finalize
 
@@ -106,6 +106,14 @@ class DeviceLayer:
             call()
         return out
 
-    def capturable(self, n_tokens: int) -> bool:
-        """Whether a call with ``n_tokens`` stays on a backend a graph can record."""
-        return capturable(n_tokens * self.layer.top_k)
+    def capturable(self, dtype: Any) -> bool:
+        """Whether calls with ``dtype`` activations can be recorded in a CUDA graph (at every
+        token count): unless MXFP4 scales need the batched fallback."""
+        dtype = np.dtype(dtype)
+        return all(capturable(scale_shift(w, dtype)) for w in (self.fc1_weights, self.fc2_weights))
+
+    @property
+    def resident_bytes(self) -> int:
+        """GPU bytes of the layer's expert weights (codes, block scales, global scales), held
+        once and read by every backend."""
+        return self.fc1_weights.resident_bytes + self.fc2_weights.resident_bytes

@@ -12,7 +12,6 @@ import numpy as np
 from .._runtime.backend import require_cupy
 from .._runtime.timing import capture, median_event_us
 from .._runtime.validate import ACTIVATION_DTYPES
-from ..experts.dispatch import ROW_WINDOW, capturable
 from .device import STAGES, DeviceLayer
 
 __all__ = ["LayerGraph", "record_graph", "time_stages"]
@@ -59,9 +58,9 @@ def record_graph(
     ``hidden``. With ``chain`` layer ``i + 1`` reads layer ``i``'s output (a decode step);
     without it every layer reads :attr:`LayerGraph.x`. ``stages`` restricts the recording to
     some stages (all run once, eagerly, before capture), for per-stage timing; ``inputs``
-    ``(x, [logits per layer])`` fills the static buffers before that warm-up. Raises
-    ``ValueError`` when a layer's expanded rows exceed the GEMV row window
-    (the batched path reads expert counts on the host and cannot be recorded).
+    ``(x, [logits per layer])`` fills the static buffers before that warm-up. Every token count
+    up to ``max_tokens`` can be recorded; ``ValueError`` for MXFP4 layers whose block scales need
+    the batched fallback with ``dtype`` (it reads expert counts on the host).
     """
     cupy = require_cupy()
     if not layers:
@@ -72,11 +71,6 @@ def record_graph(
             raise ValueError(f"layers[{i}]: hidden {layer.hidden} differs from {hidden}")
         if n_tokens < 1 or n_tokens > layer.max_tokens:
             raise ValueError(f"n_tokens: expected 1..{layer.max_tokens}, got {n_tokens}")
-        if not capturable(n_tokens * layer.top_k):
-            raise ValueError(
-                f"n_tokens: {n_tokens} tokens x top_k {layer.top_k} exceed the GEMV row window "
-                f"({ROW_WINDOW}); larger batches take the batched path, which cannot be recorded"
-            )
     dtype = np.dtype(dtype)
     if dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"dtype: expected bfloat16 or float16, got {dtype}")
@@ -84,6 +78,13 @@ def record_graph(
     if logits_dtype not in (np.dtype(np.float32), np.dtype(np.float16), dtype):
         raise TypeError(f"logits_dtype: expected float32, float16 or {dtype}, got {logits_dtype}")
     devices = [layer.device_layer() for layer in layers]
+    for i, dev in enumerate(devices):
+        if not dev.capturable(dtype):
+            raise ValueError(
+                f"layers[{i}]: its MXFP4 block scales span more than the tensor cores fold "
+                f"exactly with {dtype} activations; the batched fallback they need reads the "
+                "host and cannot be recorded (use bfloat16 activations)"
+            )
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:  # every buffer is written on the graph's stream: no race with other streams
         x = cupy.zeros((n_tokens, hidden), dtype)
@@ -123,7 +124,7 @@ def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> di
     out = cupy.empty((x.shape[0], device.layer.hidden), x.dtype)
     calls = device.stage_calls(x, logits, out)
     stream = cupy.cuda.Stream(non_blocking=True)
-    if not device.capturable(int(x.shape[0])):  # batched path: time the eager calls
+    if not device.capturable(x.dtype):  # batched fallback: time the eager calls
         return {name: median_event_us(call, stream, repeats=repeats) for name, call in calls}
     with stream:
         for _, call in calls:  # every stage once, in order: later stages read earlier outputs

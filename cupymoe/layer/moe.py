@@ -317,9 +317,17 @@ class MoELayer:
 
         Returns a :class:`~cupymoe.LayerGraph`: copy the inputs into ``g.x`` and
         ``g.logits[0]``, call ``g.replay()``, read ``g.out``. Replays give bitwise the results of
-        eager calls. ``n_tokens * top_k`` must stay within the GEMV row window (64).
+        eager calls. Any ``n_tokens`` up to ``max_tokens``: the GEMV and the grouped GEMM take
+        their tile schedule from the routing maps on the device.
         """
         return record_graph([self], n_tokens, dtype)
+
+    @property
+    def resident_bytes(self) -> int:
+        """GPU bytes of the expert weights (codes, block scales, global scales; biases and
+        workspaces excluded). The layer holds them once, in the layout every kernel reads: for N
+        a multiple of 16 and K of 32 exactly the format's bytes. Uploads the layer on first use."""
+        return self.device_layer().resident_bytes
 
     def stage_times(self, x: Any, router_logits: Any, *, repeats: int = 50) -> dict[str, float]:
         """Median GPU microseconds of each stage (route, fc1, fc2, finalize) for these inputs.

@@ -1,0 +1,240 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Grouped FP4 GEMM: the tile schedule's NumPy transcription and the tiling table (CPU); the
+kernels against fc1_ref / fc2_ref and the GEMV, and the layer across the GEMV/GEMM hand-over
+(GPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cupymoe.experts import dispatch
+from cupymoe.experts.activation import ActivationSpec
+from cupymoe.experts.gemm import (
+    GEMM_TILINGS,
+    TILING_FOR_ROWS_PER_EXPERT,
+    GemmConfig,
+    row_tiles,
+    schedule_ref,
+)
+from cupymoe.experts.layouts import WeightLayout
+from cupymoe.experts.reference import fc1_ref, fc2_ref
+from cupymoe.presets import random_fp4_experts
+from cupymoe.routing import Routing, expert_maps_ref
+from cupymoe.testing import assert_close, tolerance_for
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _close(ref: Any, out: Any, dtype: Any, name: str, *, roundings: int = 1) -> None:
+    """Within the dtype's tolerance per rounding to it (a layer rounds h and then out)."""
+    max_rel, rms_rel = tolerance_for(dtype)
+    assert_close(ref, out, max_rel=roundings * max_rel, rms_rel=roundings * rms_rel, name=name)
+
+
+# ---- the schedule (CPU) ------------------------------------------------------------------------
+def _maps(rng: np.random.Generator, m: int, k: int, e: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32)
+    offsets, _, _, active = expert_maps_ref(ids, e)
+    return offsets, active
+
+
+@pytest.mark.parametrize(("m", "k", "e", "bn"), [(1, 1, 4, 16), (9, 8, 256, 16), (300, 4, 32, 32)])
+def test_schedule_covers_every_row_once(
+    rng: np.random.Generator, m: int, k: int, e: int, bn: int
+) -> None:
+    offsets, active = _maps(rng, m, k, e)
+    col_blocks = 3
+    items = schedule_ref(offsets, active, bn=bn, col_blocks=col_blocks)
+    covered = np.zeros((m * k, col_blocks), np.int64)
+    for expert, row0, rows, cb in items:
+        assert 1 <= rows <= bn
+        assert offsets[expert] <= row0 and row0 + rows <= offsets[expert + 1]
+        covered[row0 : row0 + rows, cb] += 1
+    np.testing.assert_array_equal(covered, 1)  # every (row, column block) exactly once
+    # row tiles major: consecutive items share a row tile across the column blocks
+    assert [it[3] for it in items[:col_blocks]] == list(range(col_blocks))
+    assert len({it[:2] for it in items[:col_blocks]}) == 1
+
+
+def test_row_tiles_counts_and_padding_slots() -> None:
+    offsets = np.array([0, 3, 3, 40, 41])  # expert 1 has no rows
+    active = np.array([0, 2, 3, -1])  # padded active list
+    np.testing.assert_array_equal(row_tiles(offsets, active, 16), [0, 1, 4, 5, 5])
+    items = schedule_ref(offsets, active, bn=16, col_blocks=1)
+    assert items == [(0, 0, 3, 0), (2, 3, 16, 0), (2, 19, 16, 0), (2, 35, 5, 0), (3, 40, 1, 0)]
+
+
+def test_gemm_config_table() -> None:
+    with pytest.raises(ValueError, match="not compiled"):
+        GemmConfig(4, 1, 2, 3, 4)
+    with pytest.raises(TypeError, match="nt"):
+        GemmConfig(4, 1, 2, 2.0, 4)  # type: ignore[arg-type]
+    assert GemmConfig.for_rows(16 * 8, 256).key == TILING_FOR_ROWS_PER_EXPERT[0][1]
+    assert GemmConfig.for_rows(1024 * 8, 256).key == TILING_FOR_ROWS_PER_EXPERT[1][1]
+    assert GemmConfig.for_rows(4096 * 4, 32).key == GEMM_TILINGS[-1]
+    for tiling in GEMM_TILINGS:  # every tiling fits the 227 KB a Hopper block may have
+        cfg = GemmConfig(*tiling)
+        assert cfg.shared_bytes(0, 2048) <= 227 * 1024
+        assert cfg.bn == 8 * cfg.warps_n * cfg.nt
+
+
+def test_backend_rule() -> None:
+    gemv, gemm = dispatch.Backend.GEMV, dispatch.Backend.GEMM
+    split = WeightLayout.SPLIT
+    assert dispatch.backend_for(64, 0, layout=split, n_experts=256) is gemv
+    # Qwen3.6 (E 256, top-8) M = 256: 8 rows per expert stays on the GEMV; 9 per expert does not
+    assert dispatch.backend_for(2048, 0, layout=split, n_experts=256) is gemv
+    assert dispatch.backend_for(2049 + 255, 0, layout=split, n_experts=256) is gemm
+    assert dispatch.backend_for(10**6, 0, layout=WeightLayout.PAIR, n_experts=8) is gemv
+    assert dispatch.backend_for(8, None, layout=split, n_experts=8) is dispatch.Backend.BATCHED
+    assert dispatch.capturable(0) and not dispatch.capturable(None)
+
+
+# ---- kernels against the references (GPU) ------------------------------------------------------
+def _device_routing(ids: np.ndarray, e: int) -> Routing:
+    import cupy
+
+    m, k = ids.shape
+    fields = [ids, np.full((m, k), 1.0 / k, np.float32), *expert_maps_ref(ids, e)]
+    return Routing(*[cupy.asarray(a) for a in fields])
+
+
+def _random_ids(rng: np.random.Generator, m: int, k: int, e: int) -> np.ndarray:
+    return np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int32)
+
+
+CASES = [
+    # (fmt, dtype, E, H, I, M, k, activation, bias, ids): N and K tails (I = 112: 14 column tiles
+    # of 8, K of FC2 = 3.5 chunks; H = 336: FC2 N = 21 tiles of 16, FC1 K = 2.6 stages)
+    ("nvfp4", BF16, 8, 336, 112, 40, 2, "swiglu", False, "random"),
+    ("mxfp4", BF16, 8, 352, 160, 50, 2, "swiglu_oai", True, "random"),
+    ("nvfp4", np.float16, 8, 256, 96, 33, 2, "geglu", True, "random"),
+    ("mxfp4", np.float16, 6, 320, 64, 70, 3, "swiglu", False, "random"),
+    ("nvfp4", BF16, 16, 256, 128, 200, 4, "swiglu", False, "same"),  # one expert set: every row
+    ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
+    ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
+]
+
+
+def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np.ndarray:
+    if kind == "same":
+        return np.tile(np.arange(k, dtype=np.int32)[::-1], (m, 1))
+    if kind == "all":
+        return np.tile(np.arange(k, dtype=np.int32), (m, 1)) % e
+    return _random_ids(rng, m, k, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{np.dtype(c[1]).name}-{c[-1]}")
+@pytest.mark.parametrize(
+    "tiling", [None, *GEMM_TILINGS], ids=lambda t: "auto" if t is None else "x".join(map(str, t))
+)
+def test_gemm_matches_references(
+    rng: np.random.Generator, case: tuple[Any, ...], tiling: tuple[int, ...] | None
+) -> None:
+    import cupy
+
+    from cupymoe.experts.gemm import gemm_fc1, gemm_fc2
+    from cupymoe.experts.gemv import prepare_fc1, prepare_fc2, scale_shift
+
+    fmt, dtype, e, h, i, m, k, act_name, bias, kind = case
+    dtype = np.dtype(dtype)
+    gate, up = (random_fp4_experts(rng, e, i, h, fmt) for _ in range(2))
+    down = random_fp4_experts(rng, e, h, i, fmt)
+    biases = [rng.standard_normal(s).astype(np.float32) if bias else None for s in ((e, i),) * 2]
+    fc2_bias = rng.standard_normal((e, h)).astype(np.float32) if bias else None
+    w1 = prepare_fc1(gate, up, gate_bias=biases[0], up_bias=biases[1])
+    w2 = prepare_fc2(down, bias=fc2_bias)
+    act = ActivationSpec(act_name)
+    ids = _case_ids(rng, kind, m, k, e)
+    routing = _device_routing(ids, e)
+    cfg = None if tiling is None else GemmConfig(*tiling)
+    x = rng.standard_normal((m, h)).astype(dtype)
+    h_out = cupy.full((m * k, i), np.nan, dtype)  # poisoned: every element must be written
+    gemm_fc1(
+        cupy.asarray(x),
+        w1,
+        routing,
+        act=act,
+        top_k=k,
+        shift=scale_shift(w1, dtype),
+        out=h_out,
+        config=cfg,
+    )
+    offsets, rows, _, _ = expert_maps_ref(ids, e)
+    ref1 = fc1_ref(x[rows // k], gate, up, offsets, act=act, gate_bias=biases[0], up_bias=biases[1])
+    _close(ref1, h_out, dtype, "fc1")
+    hin = rng.standard_normal((m * k, i)).astype(dtype)
+    y = cupy.full((m * k, h), np.nan, dtype)
+    gemm_fc2(cupy.asarray(hin), w2, routing, shift=scale_shift(w2, dtype), out=y, config=cfg)
+    _close(fc2_ref(hin, down, offsets, bias=fc2_bias), y, dtype, "fc2")
+    # bitwise deterministic over repeated calls
+    again = cupy.full_like(y, np.nan)
+    gemm_fc2(cupy.asarray(hin), w2, routing, shift=scale_shift(w2, dtype), out=again, config=cfg)
+    assert bool((again.view(np.uint16) == y.view(np.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_gemm_and_gemv_agree_on_both_sides_of_the_hand_over(rng: np.random.Generator) -> None:
+    """The layer across the GEMV/GEMM boundary: one row below, at and above it, against the
+    reference; the GEMM result equals its graph replay bitwise."""
+    import cupymoe as cm
+
+    e, h, i, k = 16, 256, 128, 2
+    gate, up = (random_fp4_experts(rng, e, i, h, "nvfp4") for _ in range(2))
+    down = random_fp4_experts(rng, e, h, i, "nvfp4")
+    layer = cm.MoELayer((gate, up), down, top_k=k, max_tokens=200)
+    limit = dispatch.GEMV_MAX_ROWS_PER_EXPERT * e // k  # 64 tokens: 8 rows for every expert
+    for m, want in ((limit - 1, "gemv"), (limit, "gemv"), (limit + 1, "gemm"), (199, "gemm")):
+        got = dispatch.backend_for(m * k, 0, layout=WeightLayout.SPLIT, n_experts=e)
+        assert got is dispatch.Backend(want)
+        x = rng.standard_normal((m, h)).astype(BF16)
+        logits = rng.standard_normal((m, e)).astype(np.float32)
+        _close(cm.moe_reference(x, logits, layer), layer(x, logits), BF16, f"M={m}", roundings=2)
+    import cupy
+
+    m = 150
+    x = cupy.asarray(rng.standard_normal((m, h)).astype(BF16))
+    logits = cupy.asarray(rng.standard_normal((m, e)).astype(np.float32))
+    eager = layer(x, logits)
+    graph = layer.graph(m)
+    with graph.stream:
+        graph.x[...] = x
+        graph.logits[0][...] = logits
+    graph.replay()
+    graph.stream.synchronize()
+    assert bool((graph.out.view(np.uint16) == eager.view(np.uint16)).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("preset", "m"), [("qwen3.6-35b-a3b", 65), ("gpt-oss-20b", 9), ("gpt-oss-20b", 65)]
+)
+def test_preset_shapes_above_the_window(rng: np.random.Generator, preset: str, m: int) -> None:
+    import cupymoe as cm
+    from cupymoe.presets import PRESETS, random_layer
+
+    shape = PRESETS[preset]
+    layer = cm.MoELayer(**random_layer(shape, rng, max_tokens=m))
+    x = rng.standard_normal((m, shape.hidden)).astype(BF16)
+    logits = rng.standard_normal((m, shape.n_experts)).astype(np.float32)
+    _close(cm.moe_reference(x, logits, layer), layer(x, logits), BF16, preset, roundings=2)
+
+
+@pytest.mark.gpu
+def test_resident_bytes_are_the_format_bytes(rng: np.random.Generator) -> None:
+    """One copy of the weights: codes and scales once (N a multiple of 16, K of 32: no padding)."""
+    import cupymoe as cm
+
+    e, h, i = 4, 256, 128
+    gate, up = (random_fp4_experts(rng, e, i, h, "nvfp4") for _ in range(2))
+    down = random_fp4_experts(rng, e, h, i, "nvfp4")
+    layer = cm.MoELayer((gate, up), down, top_k=2, max_tokens=8)
+    fmt_bytes = sum(
+        w.packed.nbytes + w.scales.nbytes + w.global_scale.nbytes for w in (gate, up, down)
+    )
+    assert layer.resident_bytes == fmt_bytes
