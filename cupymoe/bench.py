@@ -9,9 +9,10 @@ alone would find its experts in the 60 MB L2 and look faster than it is, so the 
 a stack of ``L`` layers whose experts touched at one token exceed 4x the L2, records the stack
 into one CUDA graph and reports the median replay time divided by ``L``.
 
-The floor of a call is the bytes of the DISTINCT experts it must read (packed codes, block
-scales and global scales of gate, up and down), over the HBM read bandwidth (4.5 TB/s measured
-on the H200). Activations and routing metadata are not counted (they are kilobytes).
+The floor of a call is the larger of two times: the bytes of the DISTINCT experts it must read
+(packed codes, block scales and global scales of gate, up and down) over the HBM read bandwidth
+(4.5 TB/s measured on the H200), and its tensor-core FLOPs (``2 * M * k * 3 * H * I``) over the
+bf16 dense peak (790 TFLOP/s measured). Activations and routing metadata are not counted.
 """
 
 from __future__ import annotations
@@ -37,13 +38,16 @@ from .routing import route_ref
 __all__ = [
     "HBM_READ_TBPS",
     "L2_BYTES",
+    "PEAK_BF16_TFLOPS",
     "STAGES",
     "BenchResult",
     "bench_preset",
     "capture",
     "device_name",
     "expert_bytes",
+    "floor_time_us",
     "format_table",
+    "layer_flops",
     "median_event_us",
     "stack_depth",
     "write_csv",
@@ -52,6 +56,8 @@ __all__ = [
 
 #: Measured HBM read bandwidth of the H200 (TB/s): the denominator of every floor.
 HBM_READ_TBPS = 4.5
+#: Measured bf16 dense tensor-core rate of the H200 (TFLOP/s): the FLOP floor's denominator.
+PEAK_BF16_TFLOPS = 790.0
 #: L2 of the H200; the stack touches at least 4x this per replay.
 L2_BYTES = 60 << 20
 
@@ -65,26 +71,56 @@ class BenchResult:
     dtype: str
     tokens: int
     layers: int
-    mode: str  # "graph" (CUDA-graph replay) or "eager" (batched path: not capturable)
+    mode: str  # "graph" (CUDA-graph replay) or "eager" (batched fallback: not capturable)
     us_per_layer: float
-    floor_us: float
+    floor_us: float  # the larger of the byte floor and the FLOP floor
     distinct_bytes: int
     stages_us: dict[str, float]
     eager_us: float  # wall time per eager call of one layer, back to back (host-bound at decode)
+    flops: float = 0.0  # tensor-core FLOPs of one layer call
 
     @property
     def effective_tbps(self) -> float:
         return self.distinct_bytes / (self.us_per_layer * 1e-6) / 1e12
 
     @property
+    def tflops(self) -> float:
+        """Achieved tensor-core TFLOP/s."""
+        return self.flops / (self.us_per_layer * 1e-6) / 1e12
+
+    @property
+    def bound(self) -> str:
+        """Which floor binds: ``"bytes"`` (HBM) or ``"flops"`` (tensor cores)."""
+        return "flops" if self.flops / PEAK_BF16_TFLOPS / 1e6 > self.byte_floor_us else "bytes"
+
+    @property
+    def byte_floor_us(self) -> float:
+        return self.distinct_bytes / (HBM_READ_TBPS * 1e12) * 1e6
+
+    @property
     def pct_of_floor(self) -> float:
-        """Floor over measured time, in percent (100 = at the bandwidth floor)."""
+        """Floor over measured time, in percent (100 = at the floor)."""
         return 100.0 * self.floor_us / self.us_per_layer
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d.update(effective_tbps=self.effective_tbps, pct_of_floor=self.pct_of_floor)
+        d.update(
+            effective_tbps=self.effective_tbps,
+            pct_of_floor=self.pct_of_floor,
+            tflops=self.tflops,
+            bound=self.bound,
+        )
         return d
+
+
+def layer_flops(shape: LayerShape, tokens: int) -> float:
+    """Tensor-core FLOPs of one layer call: gate, up and down for every expanded row."""
+    return 2.0 * tokens * shape.top_k * 3 * shape.hidden * shape.intermediate
+
+
+def floor_time_us(distinct: float, flops: float) -> float:
+    """The larger of the byte floor (HBM read) and the FLOP floor (bf16 dense peak), in µs."""
+    return max(distinct / (HBM_READ_TBPS * 1e12), flops / (PEAK_BF16_TFLOPS * 1e12)) * 1e6
 
 
 def expert_bytes(shape: LayerShape) -> int:
@@ -188,10 +224,11 @@ def bench_preset(
                 layers=n_layers,
                 mode=mode,
                 us_per_layer=total / n_layers,
-                floor_us=floor_bytes / (HBM_READ_TBPS * 1e12) * 1e6,
+                floor_us=floor_time_us(floor_bytes, layer_flops(shape, m)),
                 distinct_bytes=int(floor_bytes),
                 stages_us=stages,
                 eager_us=_eager_call_us(layers[0], xd, ld[0]),
+                flops=layer_flops(shape, m),
             )
         )
     return results
@@ -223,17 +260,17 @@ def _eager_stack(layers: Sequence[MoELayer], x: Any, logits: Sequence[Any]) -> C
 def format_table(results: Sequence[BenchResult]) -> str:
     """Markdown table of ``results`` (the README and ``benchmarks/`` use this format)."""
     head = (
-        "| preset | M | mode | µs/layer | floor µs | % of floor | TB/s | route | fc1 | fc2 "
-        "| finalize | eager µs/call |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| preset | M | mode | µs/layer | floor µs | bound | % of floor | TB/s | TFLOP/s | route "
+        "| fc1 | fc2 | finalize | eager µs/call |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for r in results:
         st = [f"{r.stages_us[s]:.2f}" if s in r.stages_us else "—" for s in STAGES]
         rows.append(
             f"| {r.preset} {r.format} {r.dtype} | {r.tokens} | {r.mode} | {r.us_per_layer:.2f} "
-            f"| {r.floor_us:.2f} | {r.pct_of_floor:.0f} % | {r.effective_tbps:.2f} | "
-            + " | ".join(st)
-            + f" | {r.eager_us:.1f} |"
+            f"| {r.floor_us:.2f} | {r.bound} | {r.pct_of_floor:.0f} % | {r.effective_tbps:.2f} "
+            f"| {r.tflops:.1f} | " + " | ".join(st) + f" | {r.eager_us:.1f} |"
         )
     return "\n".join([head, *rows])
 

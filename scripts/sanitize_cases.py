@@ -26,9 +26,13 @@ from cupymoe.testing import assert_close, assert_equal
 
 BF16 = ml_dtypes.bfloat16
 failures: list[str] = []
+#: ``--only WORD``: run only the checks whose name contains WORD (e.g. ``gemm``).
+ONLY = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
 
 
 def check(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    if ONLY not in name:
+        return
     try:
         fn()
         print(f"ok    {name}", flush=True)
@@ -97,6 +101,35 @@ def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: i
     assert_close(ref, h, max_rel=2e-2, rms_rel=1e-2, name="fc1")
     hs = rng.standard_normal((m * top_k, k)).astype(dtype)
     y = experts.fc2(cupy.asarray(hs), experts.prepare_fc2(down, layout=layout), routing, config=cfg)
+    assert_close(experts.fc2_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
+
+
+def gemm_case(fmt: str, dtype, tiling: tuple[int, ...], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The grouped GEMM (fc1 swiglu_oai with biases, fc2) with a forced tiling: tail N and K,
+    more rows per expert than one block tile, experts of the split layout."""
+    from cupymoe import experts
+    from cupymoe.experts.gemm import GemmConfig
+    from cupymoe.routing import random_routing
+
+    rng = np.random.default_rng(n + k + m)
+    e, top_k = 4, 2
+    gate, up = (random_fp4_experts(rng, e, n, k, fmt) for _ in range(2))
+    down = random_fp4_experts(rng, e, n, k, fmt)
+    bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
+    routing = random_routing(rng, m, top_k, e)
+    cfg = GemmConfig(*tiling)
+    act = experts.ActivationSpec("swiglu_oai")
+    x = rng.standard_normal((m, k)).astype(dtype)
+    w1 = experts.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, layout="split")
+    h = experts.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
+    xs = x.astype(np.float64)[routing.sorted_rows.get() // top_k]
+    off = routing.expert_offsets.get()
+    ref = experts.fc1_ref(xs, gate, up, off, act=act, gate_bias=bg, up_bias=bu)
+    assert_close(ref, h, max_rel=2e-2, rms_rel=1e-2, name="fc1")
+    hs = rng.standard_normal((m * top_k, k)).astype(dtype)
+    y = experts.fc2(
+        cupy.asarray(hs), experts.prepare_fc2(down, layout="split"), routing, config=cfg
+    )
     assert_close(experts.fc2_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
 
 
@@ -175,9 +208,21 @@ def main() -> int:
         lambda: layer_case("qwen3.6-35b-a3b", 4, np.float16, True, 16, act="geglu"),
     )
     check(
-        "layer qwen M=9 (batched) fp16",
+        "layer qwen M=9 plain fp16",
         lambda: layer_case("qwen3.6-35b-a3b", 9, np.float16, False, 16),
     )
+    # The grouped GEMM: every tiling, N = 40 and K = 176 (tails), 3 and 37 rows per expert (one
+    # partial tile, several tiles); MXFP4 with fp16; a whole layer above the hand-over.
+    from cupymoe.experts.gemm import GEMM_TILINGS
+
+    for tiling in GEMM_TILINGS:
+        for m in (6, 74):
+            check(
+                f"gemm nvfp4 bf16 tiling={tiling} N=40 K=176 M={m}",
+                lambda t=tiling, mm=m: gemm_case("nvfp4", BF16, t, 40, 176, mm),
+            )
+    check("gemm mxfp4 fp16", lambda: gemm_case("mxfp4", np.float16, GEMM_TILINGS[1], 48, 96, 30))
+    check("layer qwen M=40 bf16 (gemm)", lambda: layer_case("qwen3.6-35b-a3b", 40, BF16, True, 16))
     cupy.cuda.Device().synchronize()
     print(f"{len(failures)} failed checks" + (f": {failures}" if failures else ""))
     return 1 if failures else 0
