@@ -11,7 +11,15 @@ import pytest
 from click.testing import CliRunner
 
 from cupymoe._runtime.backend import gpu_available
-from cupymoe.bench import L2_BYTES, BenchResult, expert_bytes, format_table, stack_depth
+from cupymoe.bench import (
+    L2_BYTES,
+    BenchResult,
+    expert_bytes,
+    floor_time_us,
+    format_table,
+    layer_flops,
+    stack_depth,
+)
 from cupymoe.cli import cli
 from cupymoe.presets import PRESETS
 
@@ -50,9 +58,26 @@ def test_table_and_metrics() -> None:
     )
     assert r.pct_of_floor == pytest.approx(50.0)
     assert r.effective_tbps == pytest.approx(45e6 / 20e-6 / 1e12)
+    assert r.bound == "bytes" and r.tflops == 0.0  # no FLOPs given
     table = format_table([r])
-    assert "| p nvfp4 bfloat16 | 4 | graph | 20.00 | 10.00 | 50 % | 2.25 |" in table
+    assert "| p nvfp4 bfloat16 | 4 | graph | 20.00 | 10.00 | bytes | 50 % | 2.25 | 0.0 |" in table
     assert table.count("\n") == 2 and r.as_dict()["pct_of_floor"] == pytest.approx(50.0)
+
+
+def test_flop_floor_binds_at_prefill() -> None:
+    qwen = PRESETS["qwen3.6-35b-a3b"]
+    flops = layer_flops(qwen, 4096)
+    assert flops == 2.0 * 4096 * 8 * 3 * 2048 * 512  # gate, up and down of every expanded row
+    distinct = 256 * expert_bytes(qwen)  # every expert active
+    assert floor_time_us(distinct, flops) == pytest.approx(flops / 790e12 * 1e6)  # 261 µs
+    assert floor_time_us(distinct, layer_flops(qwen, 16)) == pytest.approx(distinct / 4.5e12 * 1e6)
+    r = dataclasses.replace(
+        BenchResult("q", "nvfp4", "bfloat16", 4096, 2, "graph", 522.0, 0.0, distinct, {}, 0.0),
+        flops=flops,
+        floor_us=floor_time_us(distinct, flops),
+    )
+    assert r.bound == "flops" and r.pct_of_floor == pytest.approx(50.0, rel=1e-3)
+    assert r.tflops == pytest.approx(flops / 522e-6 / 1e12)
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the no-GPU refusal")

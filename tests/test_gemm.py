@@ -238,3 +238,59 @@ def test_resident_bytes_are_the_format_bytes(rng: np.random.Generator) -> None:
         w.packed.nbytes + w.scales.nbytes + w.global_scale.nbytes for w in (gate, up, down)
     )
     assert layer.resident_bytes == fmt_bytes
+
+
+# ---- one resident copy: the inverse layouts (CPU) ----------------------------------------------
+@pytest.mark.parametrize("pair", [False, True])
+@pytest.mark.parametrize(("n", "k", "rows"), [(40, 96, 8), (33, 352, 16), (16, 64, 16)])
+def test_packed_from_layout_inverts_gemv_layout(
+    rng: np.random.Generator, pair: bool, n: int, k: int, rows: int
+) -> None:
+    from cupymoe.experts import layouts
+    from cupymoe.formats.codes import to_pair_interleaved
+
+    packed = rng.integers(0, 256, (3, n, k // 2), dtype=np.uint8)
+    uploaded = to_pair_interleaved(packed) if pair else packed
+    tiled = layouts.gemv_layout(uploaded, k, pair, rows)
+    np.testing.assert_array_equal(layouts.packed_from_layout(tiled, n, k), packed)
+    back = layouts.packed_from_layout(tiled, n, k, pair_interleaved=pair)
+    np.testing.assert_array_equal(back, uploaded)
+    words = rng.integers(0, 2**32, (5, 7), dtype=np.uint64).astype(np.uint32)
+    np.testing.assert_array_equal(
+        layouts.unsplit_words(layouts.split_words(words, pair), pair), words
+    )
+
+
+@pytest.mark.parametrize(
+    ("block", "matrices", "n"), [(16, 2, 37), (32, 2, 8), (16, 1, 45), (32, 1, 16)]
+)
+def test_scales_from_tiles_inverts_tile_scales(
+    rng: np.random.Generator, block: int, matrices: int, n: int
+) -> None:
+    from cupymoe.experts import layouts
+
+    k = 224  # 7 chunks: a partial last chunk for NVFP4's two blocks per chunk
+    scales = [rng.integers(0, 256, (3, n, k // block), dtype=np.uint8) for _ in range(matrices)]
+    tiled = layouts.tile_scales(scales, k, block)
+    for want, got in zip(
+        scales, layouts.scales_from_tiles(tiled, n, k, block, matrices), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_backend_override_errors() -> None:
+    from cupymoe.experts.config import GemvConfig
+
+    gemv_cfg, gemm_cfg = GemvConfig(16, 128), GemmConfig(*GEMM_TILINGS[0])
+    auto = dispatch.Backend.GEMM
+    assert dispatch._choose(None, gemv_cfg, auto)[0] is dispatch.Backend.GEMV  # config decides
+    assert dispatch._choose(None, None, auto)[0] is auto
+    assert dispatch._choose(dispatch.Backend.GEMV, None, auto)[0] is dispatch.Backend.GEMV
+    with pytest.raises(ValueError, match="tiles the gemm backend"):
+        dispatch._choose(dispatch.Backend.GEMV, gemm_cfg, auto)
+    with pytest.raises(ValueError, match="only the batched"):
+        dispatch._choose(dispatch.Backend.GEMM, None, dispatch.Backend.BATCHED)
+    with pytest.raises(TypeError, match="backend"):
+        dispatch._choose("gemv", None, auto)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="config"):
+        dispatch._choose(None, (16, 128), auto)
