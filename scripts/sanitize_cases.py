@@ -78,21 +78,20 @@ def dequant_case(fmt: str, pair: bool, k: int) -> None:
     assert_equal(dequantize_ref(w, out_dtype=np.float32).view(np.uint32), out.view(cupy.uint32))
 
 
-def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
-    """fc1 (swiglu_oai, biases) and fc2 with a forced tiling: tail N and K, multi-pass rows."""
+def experts_case(fmt: str, dtype, cfg, layout: str, n: int, k: int, m: int, top_k: int) -> None:  # type: ignore[no-untyped-def]
+    """fc1 (swiglu_oai, biases) and fc2 on 4 experts with a forced tiling (a GemvConfig runs the
+    GEMV, a GemmConfig the grouped GEMM), against the references."""
     from cupymoe import experts
     from cupymoe.routing import random_routing
 
     rng = np.random.default_rng(n + k + m)
-    e, top_k = 4, 4
+    e = 4
     gate, up = (random_fp4_experts(rng, e, n, k, fmt) for _ in range(2))
     down = random_fp4_experts(rng, e, n, k, fmt)
     bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
-    routing = random_routing(rng, m, top_k, e)  # m tokens on 4 experts: m rows per expert
-    cfg = experts.GemvConfig(*tiling)
+    routing = random_routing(rng, m, top_k, e)
     act = experts.ActivationSpec("swiglu_oai")
     x = rng.standard_normal((m, k)).astype(dtype)
-    layout = _layout(pair)
     w1 = experts.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, layout=layout)
     h = experts.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
     xs = x.astype(np.float64)[routing.sorted_rows.get() // top_k]
@@ -104,33 +103,19 @@ def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: i
     assert_close(experts.fc2_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
 
 
-def gemm_case(fmt: str, dtype, tiling: tuple[int, ...], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
-    """The grouped GEMM (fc1 swiglu_oai with biases, fc2) with a forced tiling: tail N and K,
-    more rows per expert than one block tile, experts of the split layout."""
-    from cupymoe import experts
-    from cupymoe.experts.gemm import GemmConfig
-    from cupymoe.routing import random_routing
+def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The GEMV with a forced tiling: tail N and K, multi-pass rows (m tokens on 4 experts, top-4:
+    m rows per expert)."""
+    from cupymoe.experts import GemvConfig
 
-    rng = np.random.default_rng(n + k + m)
-    e, top_k = 4, 2
-    gate, up = (random_fp4_experts(rng, e, n, k, fmt) for _ in range(2))
-    down = random_fp4_experts(rng, e, n, k, fmt)
-    bg, bu = (rng.standard_normal((e, n)).astype(np.float32) for _ in range(2))
-    routing = random_routing(rng, m, top_k, e)
-    cfg = GemmConfig(*tiling)
-    act = experts.ActivationSpec("swiglu_oai")
-    x = rng.standard_normal((m, k)).astype(dtype)
-    w1 = experts.prepare_fc1(gate, up, gate_bias=bg, up_bias=bu, layout="split")
-    h = experts.fc1(cupy.asarray(x), w1, routing, act=act, config=cfg)
-    xs = x.astype(np.float64)[routing.sorted_rows.get() // top_k]
-    off = routing.expert_offsets.get()
-    ref = experts.fc1_ref(xs, gate, up, off, act=act, gate_bias=bg, up_bias=bu)
-    assert_close(ref, h, max_rel=2e-2, rms_rel=1e-2, name="fc1")
-    hs = rng.standard_normal((m * top_k, k)).astype(dtype)
-    y = experts.fc2(
-        cupy.asarray(hs), experts.prepare_fc2(down, layout="split"), routing, config=cfg
-    )
-    assert_close(experts.fc2_ref(hs.astype(np.float64), down, off), y, max_rel=2e-2, rms_rel=1e-2)
+    experts_case(fmt, dtype, GemvConfig(*tiling), _layout(pair), n, k, m, 4)
+
+
+def gemm_case(fmt: str, dtype, tiling: tuple[int, ...], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
+    """The grouped GEMM with a forced tiling: tail N and K, more rows per expert than a tile."""
+    from cupymoe.experts.gemm import GemmConfig
+
+    experts_case(fmt, dtype, GemmConfig(*tiling), "split", n, k, m, 2)
 
 
 def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = "") -> None:  # type: ignore[no-untyped-def]

@@ -76,6 +76,12 @@ def test_gemm_config_table() -> None:
     assert GemmConfig.for_rows(16 * 8, 256).key == TILING_FOR_ROWS_PER_EXPERT[0][1]
     assert GemmConfig.for_rows(1024 * 8, 256).key == TILING_FOR_ROWS_PER_EXPERT[1][1]
     assert GemmConfig.for_rows(4096 * 4, 32).key == GEMM_TILINGS[-1]
+    # sm_89 / sm_120 blocks get 99 KB: the bn 128 tiling does not fit, the widest that does serves
+    narrow = GemmConfig.for_rows(4096 * 4, 32, max_shared=99 * 1024)
+    assert narrow.key == GEMM_TILINGS[1] and narrow.shared_bytes(0, 32) <= 99 * 1024
+    assert GemmConfig.for_rows(4096 * 4, 32, max_shared=227 * 1024).key == GEMM_TILINGS[-1]
+    with pytest.raises(ValueError, match="max_shared"):
+        GemmConfig.for_rows(64, 8, max_shared=1024)
     for tiling in GEMM_TILINGS:  # every tiling fits the 227 KB a Hopper block may have
         cfg = GemmConfig(*tiling)
         assert cfg.shared_bytes(0, 2048) <= 227 * 1024

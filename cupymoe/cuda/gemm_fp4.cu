@@ -418,12 +418,15 @@ __device__ __forceinline__ void gemm_body(const Params& p) {
     int index = blockIdx.x, ks = 0;
     Item cur = gemm.item(index);
     float acc[kMT][kNT][4];
+    const auto zero = [&]() {
 #pragma unroll
-    for (int i = 0; i < kMT; ++i)
+        for (int i = 0; i < kMT; ++i)
 #pragma unroll
-        for (int j = 0; j < kNT; ++j)
+            for (int j = 0; j < kNT; ++j)
 #pragma unroll
-            for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
+                for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
+    };
+    zero();
     for (int s = 0; s < steps; ++s) {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // stage s is complete for all; stage s - 1 is free
@@ -436,12 +439,7 @@ __device__ __forceinline__ void gemm_body(const Params& p) {
         gemm.compute(s % kStages, acc);
         if (++ks == gemm.ksteps) {
             gemm.epilogue(cur, acc);
-#pragma unroll
-            for (int i = 0; i < kMT; ++i)
-#pragma unroll
-                for (int j = 0; j < kNT; ++j)
-#pragma unroll
-                    for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
+            zero();
             ks = 0;
             index += gridDim.x;
             if (index < gemm.n_items) cur = gemm.item(index);

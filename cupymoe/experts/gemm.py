@@ -98,15 +98,36 @@ class GemmConfig:
         return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
 
     @staticmethod
-    def for_rows(rows: int, n_experts: int) -> GemmConfig:
+    def for_rows(
+        rows: int, n_experts: int, *, fmt_code: int = 0, max_shared: int | None = None
+    ) -> GemmConfig:
         """The tiling for ``rows`` expanded rows over ``n_experts`` experts, from the average
         rows per active expert (at most ``min(rows, E)`` experts are active):
-        :data:`TILING_FOR_ROWS_PER_EXPERT`."""
+        :data:`TILING_FOR_ROWS_PER_EXPERT`. With ``max_shared`` (the device's opt-in shared
+        memory per block: 227 KB on sm_90, 163 KB on sm_80, 99 KB on sm_89 and sm_120) the
+        widest tiling that fits when the table's choice does not."""
         per_expert = rows / max(1, min(rows, n_experts))
+        choice = GEMM_TILINGS[-1]
         for limit, tiling in TILING_FOR_ROWS_PER_EXPERT:
             if per_expert <= limit:
-                return GemmConfig(*tiling)
-        return GemmConfig(*GEMM_TILINGS[-1])
+                choice = tiling
+                break
+        config = GemmConfig(*choice)
+        if max_shared is None:
+            return config
+        slots = min(rows, n_experts)
+        fitting = [
+            GemmConfig(*t)
+            for t in GEMM_TILINGS
+            if GemmConfig(*t).shared_bytes(fmt_code, slots) <= max_shared
+        ]
+        if not fitting:
+            raise ValueError(
+                f"max_shared: no grouped-GEMM tiling fits {max_shared} bytes of shared memory"
+            )
+        if config in fitting:
+            return config
+        return max(fitting, key=lambda c: c.bn)
 
 
 #: (warps_m, warps_n, mt, nt, stages) compiled for every format, dtype, op and bias.
@@ -165,6 +186,18 @@ def _sm_count(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
 
 
+@functools.lru_cache(maxsize=64)
+def _max_shared(device_id: int) -> int:
+    """Opt-in dynamic shared memory per block of the device."""
+    cupy = require_cupy()
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
+
+
+def _default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
+    device = require_cupy().cuda.Device().id
+    return GemmConfig.for_rows(rows, n_experts, fmt_code=fmt_code, max_shared=_max_shared(device))
+
+
 _SMEM_LIMIT_SET: dict[tuple[int, KernelSpec], int] = {}
 
 
@@ -196,6 +229,15 @@ def _grid(
     return max(1, min(resident, bound))
 
 
+def _plan(
+    spec: KernelSpec, cfg: GemmConfig, fmt_code: int, routing: Routing, rows: int, col_blocks: int
+) -> tuple[int, int, int]:
+    """(active slots, dynamic shared bytes, persistent grid) of one launch."""
+    slots = int(routing.active_experts.shape[0])
+    smem = cfg.shared_bytes(fmt_code, slots)
+    return slots, smem, _grid(spec, cfg, smem, rows, slots, col_blocks)
+
+
 def gemm_fc1(
     x: Any,
     weights: Any,
@@ -223,18 +265,17 @@ def gemm_fc1(
     out = device_output(out, (rows, g.n), dtype)
     if rows == 0 or g.n == 0:
         return out
-    cfg = GemmConfig.for_rows(rows, g.n_experts) if config is None else config
+    cfg = _default_config(rows, g.n_experts, g.format.code) if config is None else config
     spec = KernelSpec(
         "gemm_fp4",
         "gemm_fc1",
         (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None, *cfg.key),
     )
-    slots = int(routing.active_experts.shape[0])
-    smem = cfg.shared_bytes(g.format.code, slots)
     col_blocks = _ceil_div(_ceil_div(g.n, 8), cfg.m_tiles)  # m-tiles of 8 columns
+    slots, smem, grid = _plan(spec, cfg, g.format.code, routing, rows, col_blocks)
     launch(
         spec,
-        _grid(spec, cfg, smem, rows, slots, col_blocks),
+        grid,
         cfg.threads,
         (
             x,
@@ -287,18 +328,17 @@ def gemm_fc2(
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
-    cfg = GemmConfig.for_rows(rows, w.n_experts) if config is None else config
+    cfg = _default_config(rows, w.n_experts, w.format.code) if config is None else config
     spec = KernelSpec(
         "gemm_fp4",
         "gemm_fc2",
         (w.format.code, CTYPE[dtype], weights.bias is not None, *cfg.key),
     )
-    slots = int(routing.active_experts.shape[0])
-    smem = cfg.shared_bytes(w.format.code, slots)
     col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
+    slots, smem, grid = _plan(spec, cfg, w.format.code, routing, rows, col_blocks)
     launch(
         spec,
-        _grid(spec, cfg, smem, rows, slots, col_blocks),
+        grid,
         cfg.threads,
         (
             h,
