@@ -52,7 +52,7 @@ __all__ = [
 CACHE_VERSION = 3
 
 OPS = ("fc1", "fc2")
-#: Row buckets (expanded rows of one GEMV call, up to the 64-row window).
+#: Row buckets (expanded rows of one GEMV call; larger GEMV calls use the 64-row entry).
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
 
