@@ -50,7 +50,8 @@ def capacity(n_tokens: int, top_k: int, experts_per_rank: int) -> int:
     the exact worst case, never exceeded, known on the host without reading the routing. That
     is what lets the exchange run at a fixed size inside a CUDA graph.
     """
-    for name, v in (("n_tokens", n_tokens), ("top_k", top_k), ("experts_per_rank", experts_per_rank)):
+    named = (("n_tokens", n_tokens), ("top_k", top_k), ("experts_per_rank", experts_per_rank))
+    for name, v in named:
         check_int(name, v)
         if v < 0:
             raise ValueError(f"{name}: expected >= 0, got {v}")

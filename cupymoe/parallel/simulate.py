@@ -33,7 +33,9 @@ def _layers(layer: Any, world_size: int) -> list[MoELayer]:
     if isinstance(layer, Sequence) and not isinstance(layer, str):
         layers = list(layer)
         if len(layers) != world_size:
-            raise ValueError(f"layer: expected {world_size} layers (one per rank), got {len(layers)}")
+            raise ValueError(
+                f"layer: expected {world_size} layers (one per rank), got {len(layers)}"
+            )
         for r, lay in enumerate(layers):
             if not isinstance(lay, MoELayer):
                 raise TypeError(f"layer[{r}]: expected a MoELayer, got {type(lay).__name__}")
