@@ -7,12 +7,14 @@ ranks in one process on the float64 reference), :mod:`.ep` (the NCCL layer, one 
 GPU) and :mod:`.launch` (the launcher and the rendezvous). See ``docs/parallel.md``.
 """
 
+from .ep import ExpertParallelMoE
 from .placement import ExpertPlacement, select_experts
 from .plan import ReceivePlan, SendPlan, capacity, receive_plan, send_plan
 from .shard import ExpertShard, layer_options
 from .simulate import simulate_expert_parallel
 
 __all__ = [
+    "ExpertParallelMoE",
     "ExpertPlacement",
     "ExpertShard",
     "ReceivePlan",
