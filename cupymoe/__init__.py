@@ -5,8 +5,8 @@ One MoE layer is routing -> expert maps -> FC1 GEMV with the gated activation fu
 -> finalize. Every GPU stage has a float64 NumPy reference beside it (``route`` / ``route_ref``).
 
 Layers, each importing only those below it: ``_runtime`` (backend, validators, the kernel loader,
-launches, timing) < ``formats`` < ``routing`` < ``experts`` < ``layer`` < ``io``, then the
-top-level ``presets``, ``testing``, ``bench`` and ``cli``.
+launches, timing) < ``formats`` < ``routing`` < ``experts`` < ``layer`` < ``parallel`` (expert
+parallelism) < ``io``, then the top-level ``presets``, ``testing``, ``bench`` and ``cli``.
 
 Dimension vocabulary, used in every docstring and error message:
 
@@ -25,6 +25,7 @@ from .experts import Activation, WeightLayout
 from .formats import Fp4Experts, Fp4Format, MxScaleRule
 from .io import Checkpoint, CheckpointNaming, load_experts, save_experts
 from .layer import Fc1Layout, LayerGraph, MoELayer, moe_reference, record_graph
+from .parallel import ExpertParallelMoE, ExpertPlacement, simulate_expert_parallel
 from .presets import PRESETS, random_fp4_experts
 from .routing import Router, Routing, RoutingMethod
 
@@ -32,6 +33,8 @@ __all__ = [
     "PRESETS",
     "Activation",
     "Checkpoint",
+    "ExpertParallelMoE",
+    "ExpertPlacement",
     "CheckpointNaming",
     "Fc1Layout",
     "Fp4Experts",
@@ -49,4 +52,5 @@ __all__ = [
     "random_fp4_experts",
     "record_graph",
     "save_experts",
+    "simulate_expert_parallel",
 ]

@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("routing",),
     ("experts",),
     ("layer",),
+    ("parallel",),  # expert parallelism: above the layer, imported only by the top level
     ("io",),
     ("presets",),
     ("testing",),
@@ -115,6 +116,15 @@ def test_layers_import_only_layers_below() -> None:
 def test_tune_is_the_top_of_experts() -> None:
     users = sorted(n for n, targets in GRAPH.items() if "cupymoe.experts.tune" in targets)
     assert users == ["cupymoe.cli"]
+
+
+def test_only_the_top_level_imports_parallel() -> None:
+    users = sorted(
+        n
+        for n, targets in GRAPH.items()
+        if _layer(n) != "parallel" and any(_layer(t) == "parallel" for t in targets)
+    )
+    assert users == ["cupymoe"]
 
 
 def test_config_reads_the_cache_without_tune() -> None:
