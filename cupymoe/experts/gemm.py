@@ -28,12 +28,14 @@ from .._runtime.validate import ACTIVATION_DTYPES, device_output
 from ..formats import Fp4Format
 from ..routing import Routing
 from .activation import Activation, ActivationSpec
+from .gemv import PreparedFc1, PreparedFc2, fc1_arrays, fc2_arrays
 from .layouts import WeightLayout, chunk_count
 
 __all__ = [
     "GEMM_TILINGS",
     "TILING_FOR_ROWS_PER_EXPERT",
     "GemmConfig",
+    "default_config",
     "gemm_fc1",
     "gemm_fc2",
     "kernel_specs",
@@ -193,7 +195,9 @@ def _max_shared(device_id: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
 
 
-def _default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
+def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
+    """The tiling a call gets when none is given: :meth:`GemmConfig.for_rows` within the current
+    device's shared memory."""
     device = require_cupy().cuda.Device().id
     return GemmConfig.for_rows(rows, n_experts, fmt_code=fmt_code, max_shared=_max_shared(device))
 
@@ -240,7 +244,7 @@ def _plan(
 
 def gemm_fc1(
     x: Any,
-    weights: Any,
+    weights: PreparedFc1,
     routing: Routing,
     *,
     act: ActivationSpec,
@@ -265,7 +269,7 @@ def gemm_fc1(
     out = device_output(out, (rows, g.n), dtype)
     if rows == 0 or g.n == 0:
         return out
-    cfg = _default_config(rows, g.n_experts, g.format.code) if config is None else config
+    cfg = default_config(rows, g.n_experts, g.format.code) if config is None else config
     spec = KernelSpec(
         "gemm_fp4",
         "gemm_fc1",
@@ -278,18 +282,7 @@ def gemm_fc1(
         grid,
         cfg.threads,
         (
-            x,
-            routing.sorted_rows,
-            weights.kernel_gate,
-            weights.kernel_up,
-            weights.kernel_scales,
-            g.global_scale,
-            weights.up.global_scale,
-            weights.gate_bias,
-            weights.up_bias,
-            routing.expert_offsets,
-            routing.active_experts,
-            out,
+            *fc1_arrays(x, weights, routing, out),
             np.int32(g.n_experts),
             np.int32(slots),
             np.int32(g.n),
@@ -308,7 +301,7 @@ def gemm_fc1(
 
 def gemm_fc2(
     h: Any,
-    weights: Any,
+    weights: PreparedFc2,
     routing: Routing,
     *,
     shift: int,
@@ -328,7 +321,7 @@ def gemm_fc2(
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
-    cfg = _default_config(rows, w.n_experts, w.format.code) if config is None else config
+    cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
     spec = KernelSpec(
         "gemm_fp4",
         "gemm_fc2",
@@ -341,14 +334,7 @@ def gemm_fc2(
         grid,
         cfg.threads,
         (
-            h,
-            weights.kernel_packed,
-            weights.kernel_scales,
-            w.global_scale,
-            weights.bias,
-            routing.expert_offsets,
-            routing.active_experts,
-            out,
+            *fc2_arrays(h, weights, routing, out),
             np.int32(w.n_experts),
             np.int32(slots),
             np.int32(w.n),

@@ -48,6 +48,9 @@ __all__ = [
     "PreparedFc1",
     "PreparedFc2",
     "ResidentExperts",
+    "default_config",
+    "fc1_arrays",
+    "fc2_arrays",
     "gemv_fc1",
     "gemv_fc2",
     "kernel_specs",
@@ -273,6 +276,63 @@ def prepare_fc2(
 
 
 # ---- GPU launches (validated arguments; see dispatch.fc1 / dispatch.fc2) ------------------------
+def fc1_arrays(x: Any, weights: PreparedFc1, routing: Routing, out: Any) -> tuple[Any, ...]:
+    """The array arguments the FC1 kernels (GEMV and grouped GEMM) take first, in their order."""
+    return (
+        x,
+        routing.sorted_rows,
+        weights.kernel_gate,
+        weights.kernel_up,
+        weights.kernel_scales,
+        weights.gate.global_scale,
+        weights.up.global_scale,
+        weights.gate_bias,
+        weights.up_bias,
+        routing.expert_offsets,
+        routing.active_experts,
+        out,
+    )
+
+
+def fc2_arrays(h: Any, weights: PreparedFc2, routing: Routing, out: Any) -> tuple[Any, ...]:
+    """The array arguments the FC2 kernels (GEMV and grouped GEMM) take first, in their order."""
+    return (
+        h,
+        weights.kernel_packed,
+        weights.kernel_scales,
+        weights.down.global_scale,
+        weights.bias,
+        routing.expert_offsets,
+        routing.active_experts,
+        out,
+    )
+
+
+def default_config(
+    w: ResidentExperts,
+    rows: int,
+    dtype: Any,
+    *,
+    gated: bool,
+    layout: WeightLayout,
+    n_experts: int | None = None,
+) -> GemvConfig:
+    """The GEMV tiling a call of ``rows`` expanded rows gets when none is given
+    (:meth:`GemvConfig.for_problem`: environment, tuning cache, table); ``n_experts`` defaults to
+    ``w``'s (an expert-parallel shard passes the whole layer's, to pick what one GPU picks)."""
+    return GemvConfig.for_problem(
+        n=w.n,
+        k=w.k,
+        rows=rows,
+        fmt=w.format,
+        device_name=device_name(),
+        dtype=np.dtype(dtype),
+        gated=gated,
+        n_experts=w.n_experts if n_experts is None else n_experts,
+        layout=layout,
+    )
+
+
 def _config(
     config: GemvConfig | None,
     w: ResidentExperts,
@@ -283,17 +343,7 @@ def _config(
     layout: WeightLayout,
 ) -> GemvConfig:
     if config is None:
-        return GemvConfig.for_problem(
-            n=w.n,
-            k=w.k,
-            rows=rows,
-            fmt=w.format,
-            device_name=device_name(),
-            dtype=dtype,
-            gated=gated,
-            n_experts=w.n_experts,
-            layout=layout,
-        )
+        return default_config(w, rows, dtype, gated=gated, layout=layout)
     if not isinstance(config, GemvConfig):
         raise TypeError(f"config: expected a GemvConfig, got {type(config).__name__}")
     return config
@@ -347,18 +397,7 @@ def gemv_fc1(
         grid,
         cfg.threads,
         (
-            x,
-            routing.sorted_rows,
-            weights.kernel_gate,
-            weights.kernel_up,
-            weights.kernel_scales,
-            g.global_scale,
-            weights.up.global_scale,
-            weights.gate_bias,
-            weights.up_bias,
-            routing.expert_offsets,
-            active,
-            out,
+            *fc1_arrays(x, weights, routing, out),
             np.int32(g.n_experts),
             np.int32(g.n),
             np.int32(g.k),
@@ -410,14 +449,7 @@ def gemv_fc2(
         (_blocks(w.n, 16, cfg), int(active.shape[0])),
         cfg.threads,
         (
-            h,
-            weights.kernel_packed,
-            weights.kernel_scales,
-            w.global_scale,
-            weights.bias,
-            routing.expert_offsets,
-            active,
-            out,
+            *fc2_arrays(h, weights, routing, out),
             np.int32(w.n_experts),
             np.int32(w.n),
             np.int32(w.k),

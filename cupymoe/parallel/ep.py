@@ -37,10 +37,9 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
-from .._runtime.device import device_name
-from ..experts.config import GemvConfig
 from ..experts.dispatch import Backend, backend_for, fc1, fc2
-from ..experts.gemm import GemmConfig
+from ..experts.gemm import default_config as gemm_default_config
+from ..experts.gemv import default_config as gemv_default_config
 from ..experts.gemv import prepare_fc1, prepare_fc2, scale_shift
 from ..layer import MoELayer
 from ..layer.finalize import finalize
@@ -277,18 +276,11 @@ class ExpertParallelMoE:
         if backend is Backend.BATCHED:
             return backend, None
         if backend is Backend.GEMM:
-            return backend, GemmConfig.for_rows(rows, lay.n_experts)
+            fmt = weights.gate.format if gated else weights.down.format
+            return backend, gemm_default_config(rows, lay.n_experts, fmt.code)
         w = weights.gate if gated else weights.down
-        return backend, GemvConfig.for_problem(
-            n=w.n,
-            k=w.k,
-            rows=rows,
-            fmt=w.format,
-            device_name=device_name(),
-            dtype=dtype,
-            gated=gated,
-            n_experts=lay.n_experts,
-            layout=weights.layout,
+        return backend, gemv_default_config(
+            w, rows, dtype, gated=gated, layout=weights.layout, n_experts=lay.n_experts
         )
 
     def stage_calls(self, x: Any, logits: Any, out: Any, tokens_per_rank: int) -> list[Any]:
