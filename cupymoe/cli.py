@@ -79,11 +79,28 @@ def _shape_from_options(preset: str | None, **options: Any) -> LayerShape:
     import dataclasses
 
     shape = dataclasses.replace(base, **changes)
-    if shape.top_k < 1 or shape.top_k > shape.n_experts:
+    if shape.top_k > shape.n_experts:
+        if top_k is not None:
+            raise click.BadParameter(
+                f"must be in 1..{shape.n_experts} (the number of experts), got {shape.top_k}",
+                param_hint="--top-k",
+            )
         raise click.BadParameter(
-            f"must be in 1..{shape.n_experts} (the number of experts), got {shape.top_k}",
-            param_hint="--top-k",
+            f"{shape.n_experts} experts are fewer than the top-k of {shape.name} "
+            f"({shape.top_k}); pass at least {shape.top_k} experts or --top-k 1..{shape.n_experts}",
+            param_hint="--experts",
         )
+    block = 16 if shape.format == "nvfp4" else 32
+    for option, size, given in (
+        ("--hidden", shape.hidden, hidden),
+        ("--inter", shape.intermediate, inter),
+    ):
+        if size % block:
+            source = "" if given is not None else f" ({shape.name}'s)"
+            raise click.BadParameter(
+                f"must be a multiple of the {shape.format} block size {block}, got {size}{source}",
+                param_hint=option,
+            )
     if shape.n_group is not None and shape.n_experts % shape.n_group:
         raise click.BadParameter(
             f"{shape.name} routes in {shape.n_group} groups; --experts must be a multiple of it",
@@ -148,12 +165,17 @@ _preset_option = click.option(
 @click.option("--hidden", type=click.IntRange(min=1), help="hidden size H")
 @click.option("--inter", type=click.IntRange(min=1), help="intermediate size I (per expert)")
 @click.option("--experts", type=click.IntRange(min=1), help="number of experts E")
-@click.option("--top-k", type=int, help="experts per token")
+@click.option("--top-k", type=click.IntRange(min=1), help="experts per token")
 @click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
 @click.option("--tokens", type=click.IntRange(min=0), default=1, show_default=True)
 @_dtype_option
-@click.option("--seed", type=int, default=0, show_default=True)
-@_repeats_option(5, minimum=1)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=None,
+    help="timed calls  [default: 5 on a GPU, 1 on the NumPy backend]",
+)
 @click.option(
     "--checkpoint",
     type=click.Path(exists=True),
@@ -184,44 +206,59 @@ def run(
     tokens: int,
     dtype: str,
     seed: int,
-    repeats: int,
+    repeats: int | None,
     checkpoint: str | None,
     layer_index: int,
     naming: str,
 ) -> None:
-    """Run one MoE layer on random (or loaded) weights; print the error against the reference
-    and timings."""
+    """Run one MoE layer on random (or loaded) weights; print the output, its error against the
+    float64 reference (on a GPU) and timings."""
     from .layer import MoELayer, moe_reference
     from .testing import relative_errors
 
+    _check_unused_options(checkpoint, hidden=hidden, inter=inter, experts=experts, fmt=fmt)
+    on_gpu = gpu_available()
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     if checkpoint is not None:
+        _progress(f"loading layer {layer_index} of {checkpoint}")
         shape, kwargs = _checkpoint_layer(checkpoint, layer_index, naming, preset, top_k)
+        x, logits = _inputs(rng, tokens, shape, dtype)
     else:
         shape = _shape_from_options(
             preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, fmt=fmt
         )
+        x, logits = _inputs(rng, tokens, shape, dtype)
+        # The NumPy backend reads only the experts the tokens select: draw only those.
+        _progress("drawing random weights" + ("" if on_gpu else " of the selected experts"))
     try:
         if checkpoint is None:
-            kwargs = random_layer(shape, rng)
+            kwargs = random_layer(shape, rng, only_for=None if on_gpu else logits)
         kwargs["max_tokens"] = max(tokens, 1)
         layer = MoELayer(**kwargs)
     except (ValueError, TypeError) as error:
         raise click.ClickException(str(error)) from error
     made = time.perf_counter() - t0
-    x = rng.standard_normal((tokens, shape.hidden)).astype(_DTYPES[dtype])
-    logits = rng.standard_normal((tokens, shape.n_experts)).astype(np.float32)
     click.echo(f"layer   {layer!r}")
+    if checkpoint is not None:
+        source = f"loaded in {made:.1f} s"
+    elif on_gpu:
+        source = f"random, made in {made:.1f} s"
+    else:
+        drawn = _selected_experts(layer, logits)
+        source = (
+            f"random, made in {made:.1f} s: the {drawn} experts the tokens select, "
+            "the others left zero"
+        )
     click.echo(
-        f"weights {layer.weight_nbytes / 2**20:.1f} MiB "
-        f"({'loaded' if checkpoint else 'random, made'} in {made:.1f} s); "
+        f"weights {layer.weight_nbytes / 2**20:.1f} MiB ({source}); "
         f"x [{tokens}, {shape.hidden}] {dtype}"
     )
-    ref = moe_reference(x, logits, layer)
-    if gpu_available():
+    if on_gpu:
         cupy = cupy_or_none()
         assert cupy is not None
+        repeats = 5 if repeats is None else repeats
+        _progress("running the layer on the GPU (first use compiles its kernels)")
         xd, ld = cupy.asarray(x), cupy.asarray(logits)
         out = layer(xd, ld)
         sync = cupy.cuda.get_current_stream().synchronize
@@ -233,19 +270,74 @@ def run(
             click.echo(f"  {stage:<10} {us:8.2f} us")
     else:
         click.echo("backend NumPy reference (no CUDA GPU found)")
+        _progress("running the float64 NumPy reference")
         with warnings.catch_warnings():  # the line above already says it
             warnings.simplefilter("ignore", RuntimeWarning)
+            start = time.perf_counter()
             out_host = layer(x, logits)
-        seconds = _median_time(lambda: layer(x, logits), repeats, lambda: None)
-        click.echo(f"time    {seconds * 1e3:.1f} ms per call (median of {repeats})")
-    max_rel, rms_rel = relative_errors(ref, out_host)
+            seconds = time.perf_counter() - start
+            if repeats is not None and repeats > 1:
+                seconds = _median_time(lambda: layer(x, logits), repeats, lambda: None)
+        click.echo(f"time    {seconds * 1e3:.1f} ms per call (median of {repeats or 1})")
     flat = out_host.astype(np.float64)
     if flat.size:
         click.echo(
             f"output  [{tokens}, {shape.hidden}] mean {flat.mean():+.4f} std {flat.std():.4f} "
             f"max|.| {np.abs(flat).max():.4f}"
         )
-    click.echo(f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference)")
+    if on_gpu:
+        _progress("computing the float64 reference")
+        max_rel, rms_rel = relative_errors(moe_reference(x, logits, layer), out_host)
+        click.echo(f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference)")
+    else:
+        click.echo(
+            f"error   none measured: on the NumPy backend the output is the float64 reference "
+            f"itself, rounded to {dtype}"
+        )
+
+
+def _inputs(
+    rng: np.random.Generator, tokens: int, shape: LayerShape, dtype: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Random activations ``[tokens, H]`` and router logits ``[tokens, E]``."""
+    x = rng.standard_normal((tokens, shape.hidden)).astype(_DTYPES[dtype])
+    logits = rng.standard_normal((tokens, shape.n_experts)).astype(np.float32)
+    return x, logits
+
+
+def _selected_experts(layer: Any, logits: np.ndarray) -> int:
+    """How many distinct experts ``logits`` select in ``layer``."""
+    from .routing import route_ref
+
+    return int(np.unique(route_ref(logits, layer.router).topk_ids).size)
+
+
+def _progress(message: str) -> None:
+    """One line on stderr before a step that may take more than a second."""
+    click.echo(f"... {message}", err=True)
+
+
+def _check_unused_options(checkpoint: str | None, **options: Any) -> None:
+    """Options that would change nothing are usage errors, not silently ignored."""
+    ctx = click.get_current_context()
+    if checkpoint is not None:
+        given = [
+            f"--{n}" if n != "fmt" else "--format" for n, v in options.items() if v is not None
+        ]
+        if given:
+            raise click.UsageError(
+                f"{', '.join(given)}: the layer's shape and format come from --checkpoint; "
+                "drop them (--preset and --top-k set its routing)"
+            )
+        return
+    source = click.core.ParameterSource
+    given = [
+        option
+        for name, option in (("layer_index", "--layer"), ("naming", "--naming"))
+        if ctx.get_parameter_source(name) is not source.DEFAULT
+    ]
+    if given:
+        raise click.UsageError(f"{', '.join(given)}: only used with --checkpoint")
 
 
 def _int_list(value: str, name: str) -> list[int]:

@@ -356,6 +356,33 @@ def test_compressed_tensors_global_scale_is_the_reciprocal(tmp_path: Path) -> No
         assert w.global_scale[0] == 4.0  # a power of two is exact both ways
 
 
+def test_compressed_tensors_round_trip_of_global_scales(tmp_path: Path) -> None:
+    """``save_experts`` stores ``1 / g`` in float32 and ``load_experts`` takes ``1 / stored``:
+    exact for most ``g`` (and every power of two), 1 ulp off for the rest, and for those no
+    float32 reciprocal at all maps back to ``g`` (so no choice of stored value could do better)."""
+    one = np.float32(1)
+    rng = np.random.default_rng(0)
+    n_experts = 512
+    g = (rng.uniform(1, 2, n_experts) * 2.0 ** rng.integers(-12, 0, n_experts)).astype(np.float32)
+    g[:4] = [2.0**-8, 0.5, 1.0, 2.0**-20]
+    w = Fp4Experts(
+        "nvfp4",
+        np.zeros((n_experts, 16, 8), np.uint8),
+        np.full((n_experts, 16, 1), 0x38, np.uint8),
+        g,
+    )
+    path = tmp_path / "ct.safetensors"
+    save_experts(path, layer=0, naming="compressed-tensors", fc1=(w, w), fc2=w)
+    back = load_experts(path, layer=0)["fc2"].global_scale
+    exact = back == g
+    assert exact[:4].all() and 0.75 < exact.mean() < 0.9  # about 83 % of random values
+    ulps = np.abs(back.view(np.int32).astype(np.int64) - g.view(np.int32))
+    assert ulps.max() == 1
+    for value in g[~exact]:  # no float32 near 1 / g has g as its reciprocal
+        near = (one / value).view(np.int32) + np.arange(-4, 5, dtype=np.int32)
+        assert not np.any(one / near.view(np.float32) == value)
+
+
 def test_gpt_oss_handwritten_nibble_order(tmp_path: Path, rng: np.random.Generator) -> None:
     """Dequantize raw gpt-oss blocks the way the model's reference code does (low nibble ->
     even element, high nibble -> odd, times 2**(scale - 127)) and compare to the loaded layer."""
@@ -501,7 +528,12 @@ LOADER_ERRORS = {
         r"\(32, 4\), got U8 \(32, 2\)",
     ),
     "dtype": (bad_dtype, "auto", r"experts\.0\.down_proj\.weight'.*got I8"),
-    "ids": (drop_expert_2, "auto", r"must be 0\.\.E-1.*missing \[2\]"),
+    "ids": (
+        drop_expert_2,
+        "auto",
+        r"naming 'modelopt' expects expert ids 0\.\.E-1 in '.*experts\.<e>\.\*'; found 3 ids "
+        r"from 0 to 3, so ids \[2\] are missing",
+    ),
     "zero-global": (zero_global, "auto", r"experts\.3\.up_proj\.weight_scale_2'.*finite value > 0"),
     "nan-scale": (nan_scale, "auto", r"experts\.\*\.down_proj'.*NaN"),
     "partial-bias": (partial_bias, "auto", r"missing tensor '.*experts\.0\.gate_proj\.bias'"),
@@ -536,6 +568,34 @@ def test_loader_argument_errors(tmp_path: Path, rng: np.random.Generator) -> Non
         load_experts(path, layer=-1)
     with pytest.raises(FileNotFoundError):
         load_experts(tmp_path / "nope.safetensors", layer=0)
+    assert "FileNotFoundError" in (load_experts.__doc__ or "")  # documented as raised
+
+
+def test_save_to_a_missing_directory_names_the_users_path(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    target = tmp_path / "no" / "such" / "x.safetensors"
+    with pytest.raises(FileNotFoundError) as info:
+        save_experts(target, layer=0, naming="modelopt", **nvfp4_layer(rng))
+    assert f"cannot write {target}:" in str(info.value) and ".tmp" not in str(info.value)
+    assert info.value.filename == str(target)
+    assert not (tmp_path / "no").exists()
+
+
+def test_wrong_naming_says_what_it_expected_and_what_was_found(
+    tmp_path: Path, rng: np.random.Generator
+) -> None:
+    """A gpt-oss file read as ModelOpt: the naming's expectation and the names found."""
+    path = tmp_path / "gpt-oss.safetensors"
+    save_experts(path, layer=2, naming="gpt-oss", **gpt_oss_layer(rng))
+    with pytest.raises(ValueError) as info:
+        load_experts(path, layer=2, naming="modelopt")
+    message = str(info.value)
+    assert "naming 'modelopt' expects per-expert tensors such as " in message
+    assert "'model.layers.2.mlp.experts.<e>.gate_proj.weight' for e = 0..E-1" in message
+    assert "found no numbered experts under 'model.layers.2.mlp.experts.'" in message
+    assert "'model.layers.2.mlp.experts.down_proj_blocks'" in message
+    assert "None" not in message and "[]" not in message
 
 
 def test_gpt_oss_loader_checks_shapes(tmp_path: Path, rng: np.random.Generator) -> None:

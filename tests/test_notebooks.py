@@ -103,6 +103,7 @@ def _synthetic_results() -> dict[str, Any]:
         for tokens in (1, 2, 4, 8):
             floor_us, us = 1.0 * tokens, 2.0 * tokens + 1.0
             record = {
+                "mode": "eager" if tokens == 8 else "graph",
                 "preset": preset,
                 "format": fmt,
                 "dtype": "bf16",
@@ -125,6 +126,10 @@ def test_performance_plots_a_results_file(kernel: str, tmp_path: Path) -> None:
     text = _stdout(_execute("performance.ipynb", kernel, f"BENCH_JSON = {str(path)!r}"))
     assert f"8 results from {path}" in text
     assert "preset-a nvfp4 bf16" in text and "preset-b mxfp4 bf16" in text
+    # Each point is marked by how it was timed; the plot claims no single mode for all.
+    assert text.count("eager calls: 2 points; CUDA-graph replay: 6 points") == 2  # time, TB/s
+    source = (EXAMPLES / "performance.ipynb").read_text()
+    assert "time per layer (CUDA-graph replay)" not in source
 
 
 def test_performance_as_committed(kernel: str) -> None:

@@ -136,14 +136,24 @@ def _read(
     return checkpoint.read(name, copy=False)
 
 
-def _expert_count(checkpoint: Checkpoint, prefix: str) -> int:
+def _expert_count(checkpoint: Checkpoint, prefix: str, kind: CheckpointNaming) -> int:
     pattern = re.compile(rf"{re.escape(prefix)}\.experts\.(\d+)\.")
     ids = {int(m[1]) for name in checkpoint if (m := pattern.match(name))}
-    missing = sorted(set(range(max(ids, default=-1) + 1)) - ids)
-    if not ids or missing:
+    expected = f"'{prefix}.experts.<e>.gate_proj.{_FIELDS[kind][0]}' for e = 0..E-1"
+    if not ids:
+        under = sorted(n for n in checkpoint if n.startswith(f"{prefix}.experts."))
+        found = ", ".join(repr(n) for n in under[:3]) + (", ..." if len(under) > 3 else "")
         raise ValueError(
-            f"{checkpoint.path}: expert ids of '{prefix}.experts.<e>.*' must be 0..E-1; found "
-            f"{len(ids)} up to {max(ids, default=None)}, missing {missing[:8]}"
+            f"{checkpoint.path}: naming {kind.value!r} expects per-expert tensors such as "
+            f"{expected}; found no numbered experts under '{prefix}.experts.' (found "
+            f"{found or 'nothing'}); naming='auto' detects the naming"
+        )
+    missing = sorted(set(range(max(ids) + 1)) - ids)
+    if missing:
+        raise ValueError(
+            f"{checkpoint.path}: naming {kind.value!r} expects expert ids 0..E-1 in "
+            f"'{prefix}.experts.<e>.*'; found {len(ids)} ids from {min(ids)} to {max(ids)}, "
+            f"so ids {missing[:8]}{' ...' if len(missing) > 8 else ''} are missing"
         )
     return len(ids)
 
@@ -182,7 +192,7 @@ def _stack_nvfp4(
 
 
 def _load_nvfp4(checkpoint: Checkpoint, prefix: str, kind: CheckpointNaming) -> dict[str, Any]:
-    n_experts = _expert_count(checkpoint, prefix)
+    n_experts = _expert_count(checkpoint, prefix, kind)
     weights = [_stack_nvfp4(checkpoint, prefix, p, n_experts, kind) for p in _PROJECTIONS]
     gate, up, down = weights
     if gate.packed.shape != up.packed.shape or (down.n, down.k) != (gate.k, gate.n):
@@ -272,6 +282,8 @@ def load_experts(
 
     Raises
     ------
+    FileNotFoundError
+        ``path`` does not exist.
     ValueError
         Naming the file and the tensor: no experts for the layer (saying what was looked for),
         expert ids not ``0..E-1``, a missing tensor, a wrong dtype or shape, a global scale
@@ -383,7 +395,8 @@ def save_experts(
     fc2_bias: Any = None,
     prefix: str | None = None,
 ) -> None:
-    """Write one layer's experts to a ``.safetensors`` file: the inverse of :func:`load_experts`.
+    """Write one layer's experts to a ``.safetensors`` file: the inverse of :func:`load_experts`
+    (bit for bit, except some compressed-tensors global scales: see Notes).
 
     Parameters
     ----------
@@ -401,11 +414,22 @@ def save_experts(
     prefix : str, optional
         Default ``model.layers.{layer}.mlp``; ``"{layer}"`` in it is replaced by ``layer``.
 
+    Raises
+    ------
+    FileNotFoundError
+        The directory of ``path`` does not exist (the message names ``path``).
+
     Notes
     -----
     Scales are written as ``F8_E4M3`` (NVFP4) or ``U8`` (gpt-oss E8M0), global scales as 0-d
-    float32 tensors (compressed-tensors: ``float32(1) / global_scale``), and the metadata as
-    ``{"format": "pt"}``.
+    float32 tensors, and the metadata as ``{"format": "pt"}``.
+
+    compressed-tensors stores the reciprocal ``float32(1) / g`` of each global scale ``g``, and
+    the loader takes ``float32(1) / stored``. That gives ``g`` back for about 83 % of values and
+    differs by 1 ulp for the rest, and no other float32 could do better: when the significand of
+    ``g`` exceeds sqrt(2), the float32 grid of the reciprocal is coarser than that of ``g``, so
+    about half of those values are the reciprocal of no float32 at all. Powers of two round-trip
+    exactly. ModelOpt and gpt-oss round-trip bit for bit.
     """
     kind = CheckpointNaming.parse(naming)
     stem = _prefix(layer, prefix)

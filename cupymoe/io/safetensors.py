@@ -339,7 +339,11 @@ def write_safetensors(
     target = os.fspath(path)
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "wb") as f:
+        try:
+            f = open(tmp, "wb")
+        except OSError as exc:  # name the caller's path, not the temporary one
+            raise OSError(exc.errno, f"cannot write {target}: {exc.strerror}", target) from None
+        with f:
             f.write(struct.pack("<Q", len(text)))
             f.write(text)
             for _, _, a in arrays:
