@@ -53,6 +53,7 @@ SPEC_MODULES: tuple[str, ...] = (
     "cupymoe.layer.finalize",
     "cupymoe.experts.gemv",
     "cupymoe.experts.gemm",
+    "cupymoe.parallel.kernels",
 )
 
 #: The C++ spelling of each dtype a kernel template takes (``T``, ``TOut``, ...): the one table.

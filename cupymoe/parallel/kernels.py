@@ -1,7 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The exchange's small device kernels (CuPy ``ElementwiseKernel``; no ``RawModule``): the
-device side of :mod:`.plan`, one function per step, each with its NumPy meaning in the
-docstring. Rows are moved as ``uint16`` words (bf16 and fp16 alike): bitwise copies.
+"""The exchange's small device kernels (``cuda/exchange.cu``): the device side of :mod:`.plan`,
+one function per step, each with its NumPy meaning in the docstring. Rows are moved as
+``uint16`` words (bf16 and fp16 alike): bitwise copies.
+
+Element-wise kernels run a grid of ``ceil(n / 256)`` blocks of 256 threads over their ``n``
+elements (a 64-bit count for the row copies, whose ``rows * width`` words may pass 2**31); the
+two table kernels run as one thread. The kernels index every array flat: each must be
+C-contiguous, the tables ``int32`` and the rows of a 2-byte dtype (checked before each launch).
 
 Not run on a GPU in this repository yet (see ``docs/parallel.md``); the CPU tests check the plan
 they implement, ``tests/test_parallel_gpu.py`` checks them on the device.
@@ -9,125 +14,57 @@ they implement, ``tests/test_parallel_gpu.py`` checks them on the device.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy as np
 
-from .._runtime.backend import require_cupy
+from .._runtime.compile import KernelSpec
+from .._runtime.launch import launch
 
-__all__ = ["gather_rows", "home_tables", "local_rows", "local_tables", "pack_rows", "return_rows"]
+__all__ = [
+    "gather_rows",
+    "home_tables",
+    "kernel_specs",
+    "local_rows",
+    "local_tables",
+    "pack_rows",
+    "return_rows",
+]
+
+_STAGE = "exchange"
+_BLOCK = 256
+_NAMES = (
+    "ep_home_tables",
+    "ep_pack_rows",
+    "ep_local_tables",
+    "ep_local_rows",
+    "ep_return_rows",
+    "ep_gather_rows",
+)
+_SPECS = {name: KernelSpec(_STAGE, name) for name in _NAMES}
 
 
-@functools.cache
-def _kernel(name: str) -> Any:
-    cupy = require_cupy()
-    params, out, code = _SOURCES[name]
-    return cupy.ElementwiseKernel(params, out, code, f"cupymoe_ep_{name}")
+def kernel_specs() -> list[KernelSpec]:
+    """Every specialisation this module launches (one per kernel: no templates)."""
+    return list(_SPECS.values())
 
 
-_SOURCES = {
-    # one thread: exclusive scan of the counts over each owner's experts
-    "home_tables": (
-        "raw int32 offsets, raw int32 owner, raw int32 local, int32 n_experts, int32 world, "
-        "int32 e_max",
-        "raw int32 base, raw int32 run, raw int32 counts_to",
-        """
-        if (i != 0) return;
-        for (int t = 0; t < world * e_max; ++t) counts_to[t] = 0;
-        for (int d = 0; d < world; ++d) run[d] = 0;
-        for (int e = 0; e < n_experts; ++e) {
-            const int c = offsets[e + 1] - offsets[e];
-            const int d = owner[e];
-            base[e] = run[d];
-            run[d] += c;
-            counts_to[d * e_max + local[e]] = c;
-        }
-        """,
-    ),
-    # one thread per (expanded row, word): send[slot[r]] = x[sorted_rows[r] / top_k]
-    "pack_rows": (
-        "raw uint16 x, raw int32 sorted_rows, raw int32 ids, raw int32 offsets, raw int32 owner, "
-        "raw int32 base, int32 top_k, int32 width, int32 cap",
-        "raw uint16 send, raw int32 slot",
-        """
-        const int r = i / width, c = i % width;
-        const int src = sorted_rows[r];
-        const int e = ids[src];
-        const int s = owner[e] * cap + base[e] + (r - offsets[e]);
-        send[(long long)s * width + c] = x[(long long)(src / top_k) * width + c];
-        if (c == 0) slot[r] = s;
-        """,
-    ),
-    # one thread: the owner's offsets, per-source prefixes and active experts
-    "local_tables": (
-        "raw int32 counts, int32 world, int32 n_local, int32 e_max, int32 n_active",
-        "raw int32 offsets, raw int32 prefix, raw int32 before, raw int32 active",
-        """
-        if (i != 0) return;
-        int acc = 0;
-        for (int j = 0; j < n_local; ++j) {
-            offsets[j] = acc;
-            for (int s = 0; s < world; ++s) {
-                before[s * n_local + j] = acc - offsets[j];
-                acc += counts[s * e_max + j];
-            }
-        }
-        offsets[n_local] = acc;
-        for (int s = 0; s < world; ++s) {
-            int p = 0;
-            for (int j = 0; j < n_local; ++j) {
-                prefix[s * (n_local + 1) + j] = p;
-                p += counts[s * e_max + j];
-            }
-            prefix[s * (n_local + 1) + n_local] = p;
-        }
-        int a = 0;
-        for (int j = 0; j < n_local && a < n_active; ++j)
-            if (offsets[j + 1] > offsets[j]) active[a++] = j;
-        for (; a < n_active; ++a) active[a] = -1;
-        """,
-    ),
-    # one thread per received position p = s * cap + q
-    "local_rows": (
-        "raw int32 offsets, raw int32 prefix, raw int32 before, int32 n_local, int32 cap",
-        "raw int32 sorted_rows, raw int32 inverse, raw int32 ids",
-        """
-        const int s = i / cap, q = i % cap;
-        const int* pre = &prefix[s * (n_local + 1)];
-        if (q >= pre[n_local]) { inverse[i] = -1; ids[i] = n_local; return; }
-        int lo = 0, hi = n_local;  // the j with pre[j] <= q < pre[j + 1]
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) / 2;
-            if (pre[mid] <= q) lo = mid; else hi = mid;
-        }
-        const int row = offsets[lo] + before[s * n_local + lo] + (q - pre[lo]);
-        sorted_rows[row] = i;
-        inverse[i] = row;
-        ids[i] = lo;
-        """,
-    ),
-    # ret[p] = y[inverse[p]] (0 for padding)
-    "return_rows": (
-        "raw uint16 y, raw int32 inverse, int32 width",
-        "raw uint16 ret",
-        """
-        const int p = i / width, c = i % width;
-        const int row = inverse[p];
-        ret[i] = row >= 0 ? y[(long long)row * width + c] : (unsigned short)0;
-        """,
-    ),
-    # out[r] = rows[index[r]]
-    "gather_rows": (
-        "raw uint16 rows, raw int32 index, int32 width",
-        "raw uint16 out",
-        "out[i] = rows[(long long)index[i / width] * width + i % width];",
-    ),
-}
+def _blocks(n: int) -> int:
+    return -(-n // _BLOCK)
 
 
 def _words(a: Any) -> Any:
+    """``a`` (C-contiguous, 2-byte elements) as ``uint16`` words."""
+    if a.dtype.itemsize != 2 or not a.flags.c_contiguous:
+        raise ValueError(f"rows: expected a C-contiguous 2-byte array, got {a.dtype} {a.shape}")
     return a.view(np.uint16)
+
+
+def _tables(*arrays: Any) -> None:
+    """Check that every table is a C-contiguous ``int32`` array (the kernels index it flat)."""
+    for a in arrays:
+        if a.dtype != np.int32 or not a.flags.c_contiguous:
+            raise ValueError(f"tables: expected C-contiguous int32 arrays, got {a.dtype} {a.shape}")
 
 
 def home_tables(
@@ -135,17 +72,22 @@ def home_tables(
 ) -> None:
     """``base[e]`` (plan.send_plan), ``counts_to[d, local[e]] = counts[e]``, ``run[d]`` = rows
     to ``d``."""
-    _kernel("home_tables")(
-        offsets,
-        owner,
-        local,
-        np.int32(owner.size),
-        np.int32(run.size),
-        np.int32(e_max),
-        base,
-        run,
-        counts_to,
-        size=1,
+    _tables(offsets, owner, local, base, run, counts_to)
+    launch(
+        _SPECS["ep_home_tables"],
+        1,
+        1,
+        (
+            offsets,
+            owner,
+            local,
+            np.int32(owner.size),
+            np.int32(run.size),
+            np.int32(e_max),
+            base,
+            run,
+            counts_to,
+        ),
     )
 
 
@@ -163,21 +105,28 @@ def pack_rows(
 ) -> None:
     """``send[slot[r]] = x[sorted_rows[r] // top_k]`` with ``slot`` of :func:`.plan.send_plan`."""
     rows, width = int(sorted_rows.size), int(x.shape[1])
-    if rows == 0:
+    n = rows * width
+    if n == 0:
         return
-    _kernel("pack_rows")(
-        _words(x),
-        sorted_rows,
-        ids,
-        offsets,
-        owner,
-        base,
-        np.int32(top_k),
-        np.int32(width),
-        np.int32(cap),
-        _words(send),
-        slot,
-        size=rows * width,
+    _tables(sorted_rows, ids, offsets, owner, base, slot)
+    launch(
+        _SPECS["ep_pack_rows"],
+        _blocks(n),
+        _BLOCK,
+        (
+            _words(x),
+            sorted_rows,
+            ids,
+            offsets,
+            owner,
+            base,
+            np.int32(top_k),
+            np.int32(width),
+            np.int32(cap),
+            np.int64(n),
+            _words(send),
+            slot,
+        ),
     )
 
 
@@ -186,17 +135,22 @@ def local_tables(
 ) -> None:
     """The owner's expert offsets and per-source prefixes (:func:`.plan.receive_plan`)."""
     world = int(counts.size) // e_max
-    _kernel("local_tables")(
-        counts,
-        np.int32(world),
-        np.int32(n_local),
-        np.int32(e_max),
-        np.int32(active.size),
-        offsets,
-        prefix,
-        before,
-        active,
-        size=1,
+    _tables(counts, offsets, prefix, before, active)
+    launch(
+        _SPECS["ep_local_tables"],
+        1,
+        1,
+        (
+            counts,
+            np.int32(world),
+            np.int32(n_local),
+            np.int32(e_max),
+            np.int32(active.size),
+            offsets,
+            prefix,
+            before,
+            active,
+        ),
     )
 
 
@@ -214,30 +168,50 @@ def local_rows(
     """``sorted_rows`` of :func:`.plan.receive_plan` and its inverse (``-1`` on padding)."""
     if positions == 0:
         return
-    _kernel("local_rows")(
-        offsets,
-        prefix,
-        before,
-        np.int32(n_local),
-        np.int32(cap),
-        sorted_rows,
-        inverse,
-        ids,
-        size=positions,
+    _tables(offsets, prefix, before, sorted_rows, inverse, ids)
+    launch(
+        _SPECS["ep_local_rows"],
+        _blocks(positions),
+        _BLOCK,
+        (
+            offsets,
+            prefix,
+            before,
+            np.int32(n_local),
+            np.int32(cap),
+            np.int32(positions),
+            sorted_rows,
+            inverse,
+            ids,
+        ),
     )
 
 
 def return_rows(y: Any, inverse: Any, ret: Any) -> None:
     """``ret[p] = y[inverse[p]]``: each result where its input arrived (zeros on padding)."""
     positions, width = int(ret.shape[0]), int(ret.shape[1])
-    if positions == 0:
+    n = positions * width
+    if n == 0:
         return
-    _kernel("return_rows")(_words(y), inverse, np.int32(width), _words(ret), size=positions * width)
+    _tables(inverse)
+    launch(
+        _SPECS["ep_return_rows"],
+        _blocks(n),
+        _BLOCK,
+        (_words(y), inverse, np.int32(width), np.int64(n), _words(ret)),
+    )
 
 
 def gather_rows(rows: Any, index: Any, out: Any) -> None:
     """``out[r] = rows[index[r]]`` (the home reads its results at their slots)."""
-    n, width = int(out.shape[0]), int(out.shape[1])
+    n_rows, width = int(out.shape[0]), int(out.shape[1])
+    n = n_rows * width
     if n == 0:
         return
-    _kernel("gather_rows")(_words(rows), index, np.int32(width), _words(out), size=n * width)
+    _tables(index)
+    launch(
+        _SPECS["ep_gather_rows"],
+        _blocks(n),
+        _BLOCK,
+        (_words(rows), index, np.int32(width), np.int64(n), _words(out)),
+    )
