@@ -40,6 +40,9 @@ WORKSPACE_BYTES = 512 << 20
 
 
 def _device_bias(bias: Any, name: str, n_experts: int, n: int) -> Any:
+    # Arrays only (NumPy or CuPy): this is the device-level API, where a nested list is a mistake.
+    if bias is not None and not isinstance(bias, np.ndarray) and not is_cupy_array(bias):
+        raise TypeError(f"{name}: expected a float32 array, got {type(bias).__name__}")
     b = check_bias(bias, name, (n_experts, n), finite=False)
     return None if b is None else require_cupy().asarray(b, dtype=np.float32)
 
