@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Grouped FP4 expert GEMM on tensor cores for batches above the GEMV window.
+"""Grouped FP4 expert GEMM on tensor cores for batches above the GEMV's hand-over
+(:func:`.dispatch.backend_for`).
 
-Same functions as :mod:`cupymoe.gemv` (``fc1_gemm`` = FC1 with the gated activation fused,
-``fc2_gemm`` = FC2), same numerics contract (exact ``e2m1 x scale`` 16-bit products, fp32
+Same functions as :mod:`.gemv` (:func:`gemm_fc1` = FC1 with the gated activation fused,
+:func:`gemm_fc2` = FC2), same numerics contract (exact ``e2m1 x scale`` 16-bit products, fp32
 accumulation, the FP32 global scales, biases and the activation in fp32, one rounding), read from
 the same resident weights: the split layout (:func:`.layouts.gemv_layout`). The kernels
 (``cuda/gemm_fp4.cu``) are persistent: the tile schedule comes from the expert maps on the device,
 so every call is capturable in a CUDA graph (no host read, no allocation with ``out``).
 
-A block tile is ``bm`` weight rows x ``bn`` expanded rows of one expert (:class:`GemmConfig`);
+A block tile is ``16 * m_tiles`` weight rows x ``bn`` expanded rows of one expert
+(:class:`GemmConfig`);
 the configuration is chosen on the host from the average rows per active expert
 (:func:`GemmConfig.for_rows`), which the host knows without reading the routing.
 """
@@ -229,7 +231,7 @@ def _grid(
     ``ceil(rows / bn) + slots`` row tiles)."""
     cupy = require_cupy()
     resident = _resident_blocks(spec, config, smem) * _sm_count(cupy.cuda.Device().id)
-    bound = (-(-rows // config.bn) + slots) * col_blocks
+    bound = (_ceil_div(rows, config.bn) + slots) * col_blocks
     return max(1, min(resident, bound))
 
 
