@@ -7,7 +7,7 @@ import functools
 
 from .backend import require_cupy
 
-__all__ = ["current_device", "device_name"]
+__all__ = ["current_device", "device_name", "max_shared_per_block", "sm_count"]
 
 
 def current_device() -> int:
@@ -16,9 +16,12 @@ def current_device() -> int:
 
 
 @functools.lru_cache(maxsize=16)
+def _properties(device_id: int) -> dict:
+    return dict(require_cupy().cuda.runtime.getDeviceProperties(device_id))
+
+
 def _name(device_id: int) -> str:
-    props = require_cupy().cuda.runtime.getDeviceProperties(device_id)
-    name = props["name"]
+    name = _properties(device_id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
@@ -26,3 +29,13 @@ def device_name(device_id: int | None = None) -> str:
     """Name of the current CUDA device (or of ``device_id``), as in tune-cache keys
     (``"NVIDIA H200"``); read once per device."""
     return _name(current_device() if device_id is None else device_id)
+
+
+def sm_count() -> int:
+    """Multiprocessors of the current CUDA device."""
+    return int(_properties(current_device())["multiProcessorCount"])
+
+
+def max_shared_per_block() -> int:
+    """Opt-in dynamic shared memory per block of the current CUDA device, in bytes."""
+    return int(_properties(current_device())["sharedMemPerBlockOptin"])

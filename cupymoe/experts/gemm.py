@@ -18,13 +18,13 @@ the configuration is chosen on the host from the average rows per active expert
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import numpy as np
 
 from .._runtime.backend import require_cupy
 from .._runtime.compile import CTYPE, KernelSpec, get_kernel
+from .._runtime.device import max_shared_per_block, sm_count
 from .._runtime.launch import launch
 from .._runtime.validate import ACTIVATION_DTYPES, device_output
 from ..formats import Fp4Format
@@ -184,24 +184,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.lru_cache(maxsize=64)
-def _sm_count(device_id: int) -> int:
-    cupy = require_cupy()
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"])
-
-
-@functools.lru_cache(maxsize=64)
-def _max_shared(device_id: int) -> int:
-    """Opt-in dynamic shared memory per block of the device."""
-    cupy = require_cupy()
-    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"])
-
-
 def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
     """The tiling a call gets when none is given: :meth:`GemmConfig.for_rows` within the current
     device's shared memory."""
-    device = require_cupy().cuda.Device().id
-    return GemmConfig.for_rows(rows, n_experts, fmt_code=fmt_code, max_shared=_max_shared(device))
+    return GemmConfig.for_rows(
+        rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()
+    )
 
 
 _SMEM_LIMIT_SET: dict[tuple[int, KernelSpec], int] = {}
@@ -229,8 +217,7 @@ def _grid(
 ) -> int:
     """Persistent grid: every resident block, or fewer when the items cannot fill them (at most
     ``ceil(rows / bn) + slots`` row tiles)."""
-    cupy = require_cupy()
-    resident = _resident_blocks(spec, config, smem) * _sm_count(cupy.cuda.Device().id)
+    resident = _resident_blocks(spec, config, smem) * sm_count()
     bound = (_ceil_div(rows, config.bn) + slots) * col_blocks
     return max(1, min(resident, bound))
 
