@@ -16,7 +16,10 @@ from cupymoe.experts.activation import ActivationSpec
 from cupymoe.experts.gemm import (
     GEMM_TILINGS,
     TILING_FOR_ROWS_PER_EXPERT,
+    WGMMA_TILING_FOR_ROWS_PER_EXPERT,
+    WGMMA_TILINGS,
     GemmConfig,
+    WgmmaConfig,
     row_tiles,
     schedule_ref,
 )
@@ -88,6 +91,32 @@ def test_gemm_config_table() -> None:
         assert cfg.bn == 8 * cfg.warps_n * cfg.nt
 
 
+def test_wgmma_config_table() -> None:
+    with pytest.raises(ValueError, match="not compiled"):
+        WgmmaConfig(48, 4)
+    with pytest.raises(TypeError, match="bn"):
+        WgmmaConfig(True, 4)  # type: ignore[arg-type]
+    (small, bn_small), (mid, bn_mid) = WGMMA_TILING_FOR_ROWS_PER_EXPERT
+    assert WgmmaConfig.for_rows(int(small) * 256, 256).key == bn_small
+    assert WgmmaConfig.for_rows(int(small + 1) * 256, 256).key == bn_mid
+    assert WgmmaConfig.for_rows(4096 * 4, 32).key == WGMMA_TILINGS[-1]
+    for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
+        cfg = WgmmaConfig(*tiling)
+        assert cfg.shared_bytes(0, 2048) <= 227 * 1024 - 2048  # static: table and barriers
+        assert cfg.threads == 384 and cfg.m_tiles == 8
+
+
+def test_wgmma_specs_target_sm90a() -> None:
+    from cupymoe._runtime.offline import target_arch
+    from cupymoe.experts.gemm import kernel_specs
+
+    wgmma = [s for s in kernel_specs() if s.stage == "gemm_sm90"]
+    assert len(wgmma) == 2 * 2 * 2 * 4 * len(WGMMA_TILINGS)
+    assert {s.target for s in wgmma} == {"sm_90a"}
+    assert {target_arch(s, "sm_90") for s in wgmma} == {"sm_90a"}
+    assert {target_arch(s, "sm_80") for s in wgmma} == {None}
+
+
 def test_backend_rule() -> None:
     gemv, gemm = dispatch.Backend.GEMV, dispatch.Backend.GEMM
     split = WeightLayout.SPLIT
@@ -134,13 +163,32 @@ def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np
     return _random_ids(rng, m, k, e)
 
 
+def _tiling_id(tiling: tuple[Any, ...] | None) -> str:
+    return "auto" if tiling is None else "x".join(map(str, tiling))
+
+
+def _config(tiling: tuple[Any, ...] | None) -> GemmConfig | WgmmaConfig | None:
+    """None (the default), a GemmConfig, or a WgmmaConfig for ("wgmma", bn, stages); skips the
+    wgmma tilings where the device cannot run them (anything but compute capability 9.0)."""
+    if tiling is None:
+        return None
+    if tiling[0] != "wgmma":
+        return GemmConfig(*tiling)
+    from cupymoe.experts.gemm import wgmma_enabled
+
+    if not wgmma_enabled():
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    return WgmmaConfig(*tiling[1:])
+
+
+TILINGS = [None, *GEMM_TILINGS, *(("wgmma", *t) for t in WGMMA_TILINGS)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{np.dtype(c[1]).name}-{c[-1]}")
-@pytest.mark.parametrize(
-    "tiling", [None, *GEMM_TILINGS], ids=lambda t: "auto" if t is None else "x".join(map(str, t))
-)
+@pytest.mark.parametrize("tiling", TILINGS, ids=_tiling_id)
 def test_gemm_matches_references(
-    rng: np.random.Generator, case: tuple[Any, ...], tiling: tuple[int, ...] | None
+    rng: np.random.Generator, case: tuple[Any, ...], tiling: tuple[Any, ...] | None
 ) -> None:
     import cupy
 
@@ -158,7 +206,7 @@ def test_gemm_matches_references(
     act = ActivationSpec(act_name)
     ids = _case_ids(rng, kind, m, k, e)
     routing = _device_routing(ids, e)
-    cfg = None if tiling is None else GemmConfig(*tiling)
+    cfg = _config(tiling)
     x = rng.standard_normal((m, h)).astype(dtype)
     h_out = cupy.full((m * k, i), np.nan, dtype)  # poisoned: every element must be written
     gemm_fc1(
@@ -218,7 +266,14 @@ def test_gemm_and_gemv_agree_on_both_sides_of_the_hand_over(rng: np.random.Gener
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("preset", "m"), [("qwen3.6-35b-a3b", 65), ("gpt-oss-20b", 9), ("gpt-oss-20b", 65)]
+    ("preset", "m"),
+    [
+        ("qwen3.6-35b-a3b", 65),
+        ("qwen3.6-35b-a3b", 1024),
+        ("gpt-oss-20b", 9),
+        ("gpt-oss-20b", 65),
+        ("gpt-oss-20b", 256),
+    ],
 )
 def test_preset_shapes_above_the_window(rng: np.random.Generator, preset: str, m: int) -> None:
     import cupymoe as cm
@@ -290,6 +345,8 @@ def test_backend_override_errors() -> None:
     gemv_cfg, gemm_cfg = GemvConfig(16, 128), GemmConfig(*GEMM_TILINGS[0])
     auto = dispatch.Backend.GEMM
     assert dispatch._choose(None, gemv_cfg, auto)[0] is dispatch.Backend.GEMV  # config decides
+    wg = WgmmaConfig(*WGMMA_TILINGS[0])
+    assert dispatch._choose(dispatch.Backend.GEMM, wg, dispatch.Backend.GEMV)[2] is wg
     assert dispatch._choose(None, None, auto)[0] is auto
     assert dispatch._choose(dispatch.Backend.GEMV, None, auto)[0] is dispatch.Backend.GEMV
     with pytest.raises(ValueError, match="tiles the gemm backend"):

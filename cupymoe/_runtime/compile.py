@@ -8,7 +8,11 @@ Only this module calls ``cupy.RawModule``. It
   source text and not files reached through ``-I`` (cupy#941), so a header edit must change it;
 * compiles one module per specialisation, lazily, memoised per device and safe to call from
   several threads at once (each specialisation compiles once);
-* names the C++ spelling of every dtype a kernel is specialised for (:data:`CTYPE`).
+* names the C++ spelling of every dtype a kernel is specialised for (:data:`CTYPE`);
+* compiles the specialisations that need an architecture-specific target (``sm_90a`` for
+  ``wgmma``, :attr:`KernelSpec.target`) through NVRTC itself, because CuPy always adds its own
+  ``-arch`` for the device and NVRTC refuses a second one: the cubin is cached on disk
+  (:func:`kernel_cache_dir`) and loaded with ``cupy.RawModule(path=...)``.
 
 :mod:`.offline` compiles the same text through NVRTC for a named architecture with no GPU
 present, which CI uses to prove that every specialisation compiles for sm_80 … sm_120.
@@ -20,10 +24,13 @@ Every stage module lists the specialisations its dispatcher can select in a func
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.resources
 import os
+import pathlib
 import re
+import tempfile
 import threading
 from typing import Any
 
@@ -34,13 +41,17 @@ from .backend import require_cupy
 
 __all__ = [
     "CTYPE",
+    "ENV_KERNEL_CACHE",
     "ENV_LINEINFO",
     "SPEC_MODULES",
     "KernelSpec",
     "all_kernel_specs",
     "compile_options",
     "get_kernel",
+    "kernel_cache_dir",
     "kernel_source",
+    "nvrtc_module",
+    "nvrtc_options",
 ]
 
 #: Modules that define ``kernel_specs() -> list[KernelSpec]``; every spec they list is compiled
@@ -66,6 +77,10 @@ CTYPE: dict[np.dtype, str] = {
 #: Environment variable: ``1`` adds ``-lineinfo`` (for compute-sanitizer and Nsight Compute).
 ENV_LINEINFO = "CUPYMOE_LINEINFO"
 
+#: Environment variable: the directory of the cubins of architecture-specific specialisations
+#: (default ``$XDG_CACHE_HOME/cupymoe/kernels``, else ``~/.cache/cupymoe/kernels``).
+ENV_KERNEL_CACHE = "CUPYMOE_KERNEL_CACHE"
+
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$', re.MULTILINE)
 
 
@@ -84,12 +99,15 @@ class KernelSpec:
     """One template specialisation of one ``__global__`` function.
 
     ``stage`` names the file ``cupymoe/cuda/<stage>.cu``; ``name`` the template; ``args`` the
-    template arguments in their C++ spelling (``"__nv_bfloat16"``, ``128``, ``True``).
+    template arguments in their C++ spelling (``"__nv_bfloat16"``, ``128``, ``True``);
+    ``target`` an architecture-specific NVRTC target the kernel needs (``"sm_90a"``), or ``""``
+    for the current device's own architecture.
     """
 
     stage: str
     name: str
     args: tuple[str | int | bool, ...] = ()
+    target: str = ""
 
     @property
     def expression(self) -> str:
@@ -134,6 +152,89 @@ def compile_options() -> tuple[str, ...]:
     return options
 
 
+def nvrtc_module() -> Any:
+    """CuPy's NVRTC bindings (``cupy_backends.cuda.libs.nvrtc``)."""
+    require_cupy()
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def _cuda_include_dirs() -> list[str]:
+    """Directories holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for a compile outside CuPy."""
+    dirs: list[str] = []
+    try:
+        import cuda.pathfinder as pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:  # cuda-pathfinder absent or too old
+        pass
+    home = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
+    if os.path.isdir(os.path.join(home, "include")):
+        dirs.append(os.path.join(home, "include"))
+    return dirs
+
+
+def nvrtc_options(arch: str) -> list[str]:
+    """NVRTC options of a compile outside CuPy for ``arch`` (``"sm_90a"``): the loader's, plus
+    ``-ftz=true`` as CuPy adds, plus the CUDA header directories."""
+    return [
+        f"--gpu-architecture={arch}",
+        *compile_options(),
+        "-ftz=true",
+        *(f"-I{d}" for d in _cuda_include_dirs()),
+    ]
+
+
+def kernel_cache_dir() -> pathlib.Path:
+    """Where the cubins of architecture-specific specialisations are kept
+    (:data:`ENV_KERNEL_CACHE`)."""
+    configured = os.environ.get(ENV_KERNEL_CACHE)
+    if configured:
+        return pathlib.Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "cupymoe" / "kernels"
+
+
+def _target_cubin(spec: KernelSpec) -> tuple[str, str]:
+    """Compile ``spec`` for ``spec.target`` (once: cached on disk by source, options, NVRTC
+    version and name); returns (cubin path, lowered name)."""
+    nvrtc = nvrtc_module()
+    source = kernel_source(spec.stage)
+    options = nvrtc_options(spec.target)
+    digest = hashlib.sha256(
+        "\0".join([source, *options, spec.expression, repr(nvrtc.getVersion())]).encode()
+    ).hexdigest()[:32]
+    directory = kernel_cache_dir()
+    cubin, name = directory / f"{digest}.cubin", directory / f"{digest}.name"
+    if cubin.is_file() and name.is_file():
+        return str(cubin), name.read_text(encoding="utf-8")
+    program = nvrtc.createProgram(source, f"{spec.stage}.cu", [], [])
+    try:
+        nvrtc.addNameExpression(program, spec.expression)
+        try:
+            nvrtc.compileProgram(program, options)
+        except nvrtc.NVRTCError as error:
+            log = nvrtc.getProgramLog(program)
+            raise RuntimeError(
+                f"{spec.expression} failed to compile for {spec.target}:\n{log}"
+            ) from error
+        lowered = nvrtc.getLoweredName(program, spec.expression)
+        binary = nvrtc.getCUBIN(program)
+    finally:
+        nvrtc.destroyProgram(program)
+    directory.mkdir(parents=True, exist_ok=True)
+    # Written under temporary names and renamed: a concurrent reader sees whole files or none.
+    for path, data in ((cubin, binary), (name, lowered.encode())):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    return str(cubin), lowered
+
+
 _kernel_lock = threading.Lock()
 _kernels: dict[tuple[int, KernelSpec], Any] = {}
 
@@ -148,12 +249,16 @@ def get_kernel(spec: KernelSpec) -> Any:
     with _kernel_lock:  # first use from several threads compiles once
         kernel = _kernels.get(key)
         if kernel is None:
-            module = cupy.RawModule(
-                code=kernel_source(spec.stage),
-                options=compile_options(),
-                name_expressions=(spec.expression,),
-            )
-            kernel = module.get_function(spec.expression)
+            if spec.target:
+                path, lowered = _target_cubin(spec)
+                kernel = cupy.RawModule(path=path).get_function(lowered)
+            else:
+                module = cupy.RawModule(
+                    code=kernel_source(spec.stage),
+                    options=compile_options(),
+                    name_expressions=(spec.expression,),
+                )
+                kernel = module.get_function(spec.expression)
             _kernels[key] = kernel
         return kernel
 

@@ -7,7 +7,13 @@ import functools
 
 from .backend import require_cupy
 
-__all__ = ["current_device", "device_name", "max_shared_per_block", "sm_count"]
+__all__ = [
+    "compute_capability",
+    "current_device",
+    "device_name",
+    "max_shared_per_block",
+    "sm_count",
+]
 
 
 def current_device() -> int:
@@ -39,3 +45,9 @@ def sm_count() -> int:
 def max_shared_per_block() -> int:
     """Opt-in dynamic shared memory per block of the current CUDA device, in bytes."""
     return int(_properties(current_device())["sharedMemPerBlockOptin"])
+
+
+def compute_capability() -> int:
+    """Compute capability of the current CUDA device as ``major * 10 + minor`` (90 on the H200)."""
+    props = _properties(current_device())
+    return int(props["major"]) * 10 + int(props["minor"])

@@ -15,11 +15,9 @@ import multiprocessing
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
 
 from . import compile as loader
-from .backend import require_cupy
-from .compile import KernelSpec
+from .compile import KernelSpec, nvrtc_module
 
 __all__ = [
     "OfflineResult",
@@ -27,6 +25,7 @@ __all__ = [
     "nvrtc_module",
     "offline_options",
     "supported_offline_archs",
+    "target_arch",
 ]
 
 _PTXAS_USAGE = re.compile(
@@ -47,30 +46,17 @@ class OfflineResult:
     registers: int
     stack_bytes: int
     spill_bytes: int  # spill stores + spill loads
+    #: ptxas's performance warnings about this function (e.g. wgmma serialised), one per line.
+    notes: tuple[str, ...] = ()
 
 
-def nvrtc_module() -> Any:
-    require_cupy()
-    from cupy_backends.cuda.libs import nvrtc
-
-    return nvrtc
-
-
-def _cuda_include_dirs() -> list[str]:
-    """Directories holding ``cuda_fp16.h`` / ``cuda_bf16.h`` for an offline compile."""
-    dirs: list[str] = []
-    try:
-        import cuda.pathfinder as pathfinder
-
-        found = pathfinder.find_nvidia_header_directory("cudart")
-        if found:
-            dirs.append(str(found))
-    except Exception:  # cuda-pathfinder absent or too old
-        pass
-    home = os.environ.get("CUDA_PATH") or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    if os.path.isdir(os.path.join(home, "include")):
-        dirs.append(os.path.join(home, "include"))
-    return dirs
+def target_arch(spec: KernelSpec, arch: str) -> str | None:
+    """The architecture ``spec`` is compiled for in a pass over ``arch``: ``arch`` itself, or for
+    an architecture-specific spec its target when that belongs to ``arch`` (``sm_90a`` in the
+    ``sm_90`` pass), else ``None`` (not compiled in that pass)."""
+    if not spec.target:
+        return arch
+    return spec.target if spec.target.rstrip("af") == arch else None
 
 
 def supported_offline_archs() -> list[str]:
@@ -79,14 +65,8 @@ def supported_offline_archs() -> list[str]:
 
 
 def offline_options(arch: str) -> list[str]:
-    """NVRTC options of an offline compile for ``arch``: the loader's, plus ``-ftz=true`` as CuPy
-    adds, plus the CUDA header directories."""
-    return [
-        f"--gpu-architecture={arch}",
-        *loader.compile_options(),
-        "-ftz=true",
-        *(f"-I{d}" for d in _cuda_include_dirs()),
-    ]
+    """NVRTC options of an offline compile for ``arch``: :func:`.compile.nvrtc_options`."""
+    return loader.nvrtc_options(arch)
 
 
 def _compile_program(
@@ -105,10 +85,12 @@ def _compile_program(
             raise RuntimeError(f"{stage}.cu failed to compile for {arch}:\n{log}") from error
         log = nvrtc.getProgramLog(program)
         usage = {m.group("name"): m for m in _PTXAS_USAGE.finditer(log)}
+        losses = [line for line in log.splitlines() if "Performance Loss" in line]
         results = []
         for spec in specs:
             lowered = nvrtc.getLoweredName(program, spec.expression)
             m = usage.get(lowered)
+            notes = tuple(line.strip() for line in losses if lowered in line)
             results.append(
                 OfflineResult(
                     spec=spec,
@@ -117,6 +99,7 @@ def _compile_program(
                     registers=int(m.group("regs") or 0) if m else -1,
                     stack_bytes=int(m.group("stack")) if m else -1,
                     spill_bytes=(int(m.group("spill_st")) + int(m.group("spill_ld"))) if m else -1,
+                    notes=notes,
                 )
             )
         return results
@@ -127,7 +110,9 @@ def _compile_program(
 def compile_offline(
     specs: Sequence[KernelSpec], arch: str, *, workers: int | None = None
 ) -> list[OfflineResult]:
-    """Compile ``specs`` to machine code for ``arch`` (``"sm_90"``) with NVRTC and no GPU.
+    """Compile ``specs`` to machine code for ``arch`` (``"sm_90"``) with NVRTC and no GPU; a spec
+    with an architecture-specific target is compiled for it (:func:`target_arch`; it must belong
+    to ``arch``).
 
     The specs of one stage are split into ``workers`` NVRTC programs (default: one per CPU, at
     most 8) of the text the run-time loader compiles, with the same options plus ``-ftz=true`` as
@@ -139,20 +124,28 @@ def compile_offline(
     n_workers = workers if workers is not None else min(8, os.cpu_count() or 1)
     if n_workers < 1:
         raise ValueError(f"workers: expected >= 1, got {workers}")
-    by_stage: dict[str, list[KernelSpec]] = {}
+    by_stage: dict[tuple[str, str], list[KernelSpec]] = {}
     for spec in specs:
-        by_stage.setdefault(spec.stage, []).append(spec)
-    options = [*offline_options(arch), "--ptxas-options=-v"]
+        target = target_arch(spec, arch)
+        if target is None:
+            raise ValueError(
+                f"{spec.expression}: its target {spec.target} is not a variant of {arch}"
+            )
+        by_stage.setdefault((spec.stage, target), []).append(spec)
     jobs = []
-    for stage, stage_specs in by_stage.items():
+    for (stage, target), stage_specs in by_stage.items():
         size = -(-len(stage_specs) // n_workers)
-        jobs += [(stage, stage_specs[i : i + size]) for i in range(0, len(stage_specs), size)]
+        options = [*offline_options(target), "--ptxas-options=-v"]
+        jobs += [
+            (stage, stage_specs[i : i + size], target, options)
+            for i in range(0, len(stage_specs), size)
+        ]
     if n_workers == 1 or len(jobs) == 1:
-        parts = [_compile_program(stage, chunk, arch, options) for stage, chunk in jobs]
+        parts = [_compile_program(*job) for job in jobs]
     else:
         context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
         with concurrent.futures.ProcessPoolExecutor(n_workers, mp_context=context) as pool:
-            futures = [pool.submit(_compile_program, st, ch, arch, options) for st, ch in jobs]
+            futures = [pool.submit(_compile_program, *job) for job in jobs]
             parts = [f.result() for f in futures]
     by_spec = {r.spec: r for part in parts for r in part}
     return [by_spec[spec] for spec in specs]

@@ -27,7 +27,7 @@ from ..routing import Routing, check_device_routing
 from .activation import ActivationSpec, check_activation
 from .batched import fc1_batched, fc2_batched
 from .config import GemvConfig
-from .gemm import GemmConfig, gemm_fc1, gemm_fc2
+from .gemm import GemmConfig, WgmmaConfig, gemm_fc1, gemm_fc2
 from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc2, scale_shift
 from .layouts import WeightLayout
 
@@ -73,14 +73,19 @@ def capturable(shift: int | None) -> bool:
 
 def _choose(
     backend: Backend | None, config: Any, automatic: Backend
-) -> tuple[Backend, GemvConfig | None, GemmConfig | None]:
+) -> tuple[Backend, GemvConfig | None, GemmConfig | WgmmaConfig | None]:
     """The backend of a call and its config: ``backend`` when given, else the one ``config``
-    belongs to (a GemvConfig runs the GEMV, a GemmConfig the GEMM), else ``automatic``."""
+    belongs to (a GemvConfig runs the GEMV, a GemmConfig or WgmmaConfig the GEMM), else
+    ``automatic``."""
     if backend is not None and not isinstance(backend, Backend):
         raise TypeError(f"backend: expected a Backend or None, got {type(backend).__name__}")
-    if config is not None and not isinstance(config, GemvConfig | GemmConfig):
-        raise TypeError(f"config: expected a GemvConfig or GemmConfig, got {type(config).__name__}")
-    implied = {GemvConfig: Backend.GEMV, GemmConfig: Backend.GEMM}.get(type(config))
+    if config is not None and not isinstance(config, GemvConfig | GemmConfig | WgmmaConfig):
+        raise TypeError(
+            f"config: expected a GemvConfig, GemmConfig or WgmmaConfig, got {type(config).__name__}"
+        )
+    implied = {GemvConfig: Backend.GEMV, GemmConfig: Backend.GEMM, WgmmaConfig: Backend.GEMM}.get(
+        type(config)
+    )
     if backend is not None and implied is not None and backend is not implied:
         raise ValueError(
             f"config: a {type(config).__name__} tiles the {implied.value} backend, "
@@ -95,7 +100,7 @@ def _choose(
     return (
         chosen,
         config if isinstance(config, GemvConfig) else None,
-        config if isinstance(config, GemmConfig) else None,
+        config if isinstance(config, GemmConfig | WgmmaConfig) else None,
     )
 
 
@@ -106,7 +111,7 @@ def fc1(
     *,
     act: ActivationSpec,
     out: Any = None,
-    config: GemvConfig | GemmConfig | None = None,
+    config: GemvConfig | GemmConfig | WgmmaConfig | None = None,
     backend: Backend | None = None,
     pdl: bool = False,
 ) -> Any:
@@ -196,7 +201,7 @@ def fc2(
     routing: Routing,
     *,
     out: Any = None,
-    config: GemvConfig | GemmConfig | None = None,
+    config: GemvConfig | GemmConfig | WgmmaConfig | None = None,
     backend: Backend | None = None,
     pdl: bool = False,
 ) -> Any:

@@ -5,26 +5,29 @@
 Same functions as :mod:`.gemv` (:func:`gemm_fc1` = FC1 with the gated activation fused,
 :func:`gemm_fc2` = FC2), same numerics contract (exact ``e2m1 x scale`` 16-bit products, fp32
 accumulation, the FP32 global scales, biases and the activation in fp32, one rounding), read from
-the same resident weights: the split layout (:func:`.layouts.gemv_layout`). The kernels
-(``cuda/gemm_fp4.cu``) are persistent: the tile schedule comes from the expert maps on the device,
-so every call is capturable in a CUDA graph (no host read, no allocation with ``out``).
+the same resident weights: the split layout (:func:`.layouts.gemv_layout`). The kernels are
+persistent: the tile schedule comes from the expert maps on the device, so every call is
+capturable in a CUDA graph (no host read, no allocation with ``out``).
 
-A block tile is ``16 * m_tiles`` weight rows x ``bn`` expanded rows of one expert
-(:class:`GemmConfig`);
-the configuration is chosen on the host from the average rows per active expert
-(:func:`GemmConfig.for_rows`), which the host knows without reading the routing.
+Two kernels: on sm_90 (H100, H200) ``cuda/gemm_sm90.cu``, warp-specialised ``wgmma`` with the
+decoded weights in registers (:class:`WgmmaConfig`, compiled for ``sm_90a``); elsewhere
+``cuda/gemm_fp4.cu``, ``mma.sync`` (:class:`GemmConfig`). A block tile is 128 (wgmma) or
+``16 * m_tiles`` weight rows x ``bn`` expanded rows of one expert; the tiling is chosen on the
+host from the average rows per active expert (``for_rows``), which the host knows without
+reading the routing. ``CUPYMOE_WGMMA=0`` keeps the mma.sync kernel on sm_90.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
 
 from .._runtime.backend import require_cupy
 from .._runtime.compile import CTYPE, KernelSpec, get_kernel
-from .._runtime.device import max_shared_per_block, sm_count
+from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
 from .._runtime.validate import ACTIVATION_DTYPES, device_output
 from ..formats import Fp4Format
@@ -34,10 +37,15 @@ from .gemv import PreparedFc1, PreparedFc2, fc1_arrays, fc2_arrays
 from .layouts import WeightLayout, chunk_count
 
 __all__ = [
+    "ENV_WGMMA",
     "GEMM_TILINGS",
     "TILING_FOR_ROWS_PER_EXPERT",
+    "WGMMA_TILINGS",
+    "WGMMA_TILING_FOR_ROWS_PER_EXPERT",
     "GemmConfig",
+    "WgmmaConfig",
     "default_config",
+    "wgmma_enabled",
     "gemm_fc1",
     "gemm_fc2",
     "kernel_specs",
@@ -153,6 +161,75 @@ TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], 
 )
 
 
+#: ``CUPYMOE_WGMMA=0``: the mma.sync kernel on sm_90 too (the wgmma kernel needs exactly sm_90).
+ENV_WGMMA = "CUPYMOE_WGMMA"
+
+#: (bn, stages) of the sm_90a wgmma kernel: 384 threads (a producer and two consumer warp groups),
+#: 128 weight rows per block tile, one block per SM.
+WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((32, 6), (64, 6), (128, 4))
+
+#: Analytic table of the wgmma kernel: (largest average rows per active expert, tiling); above
+#: the last entry bn 128.
+WGMMA_TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int]], ...] = (
+    (40, WGMMA_TILINGS[0]),
+    (80, WGMMA_TILINGS[1]),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaConfig:
+    """One tiling of the sm_90a wgmma kernel: ``bn`` expanded rows per block tile (the wgmma N),
+    ``stages`` pipeline stages of 128 codes of K."""
+
+    bn: int
+    stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("bn", "stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: expected int, got {type(value).__name__}")
+        if self.key not in WGMMA_TILINGS:
+            raise ValueError(
+                f"WgmmaConfig: {self.key} is not compiled; expected one of {list(WGMMA_TILINGS)}"
+            )
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The template arguments (bn, stages)."""
+        return (self.bn, self.stages)
+
+    #: Threads per block: a producer warp group and two consumer warp groups.
+    threads = 384
+    #: m-tiles (16 weight rows) per block tile: one per consumer warp.
+    m_tiles = 8
+
+    def stage_bytes(self, fmt_code: int) -> int:
+        return self.m_tiles * (_MTILE_BYTES + _SCALE_TILE_BYTES[fmt_code]) + self.bn * _XROW_BYTES
+
+    def shared_bytes(self, fmt_code: int, slots: int) -> int:
+        """Dynamic shared memory of a launch: the stages and the row-tile table of ``slots``."""
+        return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
+
+    @staticmethod
+    def for_rows(rows: int, n_experts: int) -> WgmmaConfig:
+        """The tiling for ``rows`` expanded rows over ``n_experts`` experts, from the average
+        rows per active expert: :data:`WGMMA_TILING_FOR_ROWS_PER_EXPERT`."""
+        per_expert = rows / max(1, min(rows, n_experts))
+        for limit, tiling in WGMMA_TILING_FOR_ROWS_PER_EXPERT:
+            if per_expert <= limit:
+                return WgmmaConfig(*tiling)
+        return WgmmaConfig(*WGMMA_TILINGS[-1])
+
+
+def wgmma_enabled() -> bool:
+    """Whether the current device runs the wgmma kernel: compute capability exactly 9.0 (the
+    ``sm_90a`` cubin runs nowhere else) and ``CUPYMOE_WGMMA`` is not ``0``."""
+    if os.environ.get(ENV_WGMMA, "1").strip() == "0":
+        return False
+    return compute_capability() == 90
+
+
 def row_tiles(expert_offsets: Any, active: Any, bn: int) -> np.ndarray:
     """NumPy transcription of the kernels' schedule scan: the first row tile of each active slot
     and the total (``[slots + 1]``); slot ``j`` holds ``ceil(rows(active[j]) / bn)`` tiles."""
@@ -184,9 +261,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
-    """The tiling a call gets when none is given: :meth:`GemmConfig.for_rows` within the current
-    device's shared memory."""
+def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig | WgmmaConfig:
+    """The tiling a call gets when none is given: :meth:`WgmmaConfig.for_rows` where
+    :func:`wgmma_enabled`, else :meth:`GemmConfig.for_rows` within the current device's shared
+    memory."""
+    if wgmma_enabled():
+        return WgmmaConfig.for_rows(rows, n_experts)
     return GemmConfig.for_rows(
         rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()
     )
@@ -195,7 +275,7 @@ def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig:
 _SMEM_LIMIT_SET: dict[tuple[int, KernelSpec], int] = {}
 
 
-def _resident_blocks(spec: KernelSpec, config: GemmConfig, smem: int) -> int:
+def _resident_blocks(spec: KernelSpec, config: GemmConfig | WgmmaConfig, smem: int) -> int:
     """Blocks per SM of a launch (occupancy calculator), after raising the kernel's dynamic
     shared-memory limit (kernels over 48 KB need it)."""
     cupy = require_cupy()
@@ -213,7 +293,12 @@ def _resident_blocks(spec: KernelSpec, config: GemmConfig, smem: int) -> int:
 
 
 def _grid(
-    spec: KernelSpec, config: GemmConfig, smem: int, rows: int, slots: int, col_blocks: int
+    spec: KernelSpec,
+    config: GemmConfig | WgmmaConfig,
+    smem: int,
+    rows: int,
+    slots: int,
+    col_blocks: int,
 ) -> int:
     """Persistent grid: every resident block, or fewer when the items cannot fill them (at most
     ``ceil(rows / bn) + slots`` row tiles)."""
@@ -223,12 +308,33 @@ def _grid(
 
 
 def _plan(
-    spec: KernelSpec, cfg: GemmConfig, fmt_code: int, routing: Routing, rows: int, col_blocks: int
+    spec: KernelSpec,
+    cfg: GemmConfig | WgmmaConfig,
+    fmt_code: int,
+    routing: Routing,
+    rows: int,
+    col_blocks: int,
 ) -> tuple[int, int, int]:
     """(active slots, dynamic shared bytes, persistent grid) of one launch."""
     slots = int(routing.active_experts.shape[0])
     smem = cfg.shared_bytes(fmt_code, slots)
     return slots, smem, _grid(spec, cfg, smem, rows, slots, col_blocks)
+
+
+def _spec(cfg: GemmConfig | WgmmaConfig, op: str, head: tuple[str | int | bool, ...]) -> KernelSpec:
+    """The specialisation of ``op`` ("fc1" / "fc2") for a tiling: the wgmma kernel (sm_90a) for a
+    :class:`WgmmaConfig`, the mma.sync kernel for a :class:`GemmConfig`."""
+    if isinstance(cfg, WgmmaConfig):
+        return KernelSpec("gemm_sm90", f"gemm90_{op}", (*head, *cfg.key), target="sm_90a")
+    return KernelSpec("gemm_fp4", f"gemm_{op}", (*head, *cfg.key))
+
+
+def _check_runs_here(cfg: GemmConfig | WgmmaConfig) -> None:
+    if isinstance(cfg, WgmmaConfig) and not wgmma_enabled():
+        raise ValueError(
+            "config: a WgmmaConfig needs a compute capability 9.0 device (and CUPYMOE_WGMMA not "
+            f"0); this device has {compute_capability()}"
+        )
 
 
 def gemm_fc1(
@@ -240,7 +346,7 @@ def gemm_fc1(
     top_k: int,
     shift: int,
     out: Any = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
 ) -> Any:
     """FC1 as a grouped GEMM: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
@@ -259,11 +365,9 @@ def gemm_fc1(
     if rows == 0 or g.n == 0:
         return out
     cfg = default_config(rows, g.n_experts, g.format.code) if config is None else config
-    spec = KernelSpec(
-        "gemm_fp4",
-        "gemm_fc1",
-        (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None, *cfg.key),
-    )
+    _check_runs_here(cfg)
+    head = (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None)
+    spec = _spec(cfg, "fc1", head)
     col_blocks = _ceil_div(_ceil_div(g.n, 8), cfg.m_tiles)  # m-tiles of 8 columns
     slots, smem, grid = _plan(spec, cfg, g.format.code, routing, rows, col_blocks)
     launch(
@@ -295,7 +399,7 @@ def gemm_fc2(
     *,
     shift: int,
     out: Any = None,
-    config: GemmConfig | None = None,
+    config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
 ) -> Any:
     """FC2 as a grouped GEMM: ``y[r] = h[r] W[e]^T + b[e]`` (arguments as validated by
@@ -311,11 +415,8 @@ def gemm_fc2(
     if rows == 0 or w.n == 0:
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
-    spec = KernelSpec(
-        "gemm_fp4",
-        "gemm_fc2",
-        (w.format.code, CTYPE[dtype], weights.bias is not None, *cfg.key),
-    )
+    _check_runs_here(cfg)
+    spec = _spec(cfg, "fc2", (w.format.code, CTYPE[dtype], weights.bias is not None))
     col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
     slots, smem, grid = _plan(spec, cfg, w.format.code, routing, rows, col_blocks)
     launch(
@@ -339,16 +440,16 @@ def gemm_fc2(
 
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc2` can select: 2 formats x 2 dtypes
-    x 2 (bias) x len(GEMM_TILINGS) x (FC2 + 3 FC1 activations)."""
+    x 2 (bias) x (FC2 + 3 FC1 activations) x (len(GEMM_TILINGS) mma.sync tilings +
+    len(WGMMA_TILINGS) wgmma tilings for sm_90a)."""
     specs = []
     for fmt in Fp4Format:
         for dtype in ACTIVATION_DTYPES:
             for bias in (False, True):
-                for tiling in GEMM_TILINGS:
-                    head = (fmt.code, CTYPE[np.dtype(dtype)])
-                    specs.append(KernelSpec("gemm_fp4", "gemm_fc2", (*head, bias, *tiling)))
-                    specs += [
-                        KernelSpec("gemm_fp4", "gemm_fc1", (*head, act.code, bias, *tiling))
-                        for act in Activation
-                    ]
+                head = (fmt.code, CTYPE[np.dtype(dtype)])
+                configs: list[GemmConfig | WgmmaConfig] = [GemmConfig(*t) for t in GEMM_TILINGS]
+                configs += [WgmmaConfig(*t) for t in WGMMA_TILINGS]
+                for cfg in configs:
+                    specs.append(_spec(cfg, "fc2", (*head, bias)))
+                    specs += [_spec(cfg, "fc1", (*head, act.code, bias)) for act in Activation]
     return specs

@@ -1,0 +1,577 @@
+// SPDX-License-Identifier: Apache-2.0
+// Grouped FP4 expert GEMM for sm_90a: wgmma with the decoded weights in registers as the A
+// operand, warp-specialised. Same functions, numerics and work items as gemm_fp4.cu (the mma.sync
+// version, which serves sm_80 / sm_89 / sm_120 and the shapes this one does not cover):
+//
+//   FC2:  out[r, n] = sum_k x[r, k] * W[e, n, k] + bias[e, n]                 for rows r of expert e
+//   FC1:  out[r, n] = act(x[t, :] . Wg[e, n, :] + bg[e, n],  x[t, :] . Wu[e, n, :] + bu[e, n])
+//         with t = row_source[r] / top_k (x is read in token order: no expand launch)
+//
+// Block tile: 128 weight rows (8 m-tiles of 16, FC1 m-tile = 8 gate + 8 up rows of the same 8
+// columns) x kBN expanded rows of one expert; K in stages of 128 codes, kStages deep.
+//
+// Warp groups (384 threads). Group 0 is the producer: one lane per copy issues the weight and
+// scale bytes of a stage as bulk copies (cp.async.bulk, completing on the stage's "full"
+// mbarrier with their byte count), and all 128 threads gather the activation rows through the
+// expert map with 16-byte loads and store them into the wgmma B layout. Groups 1 and 2 are the
+// consumers: warp w of group c owns m-tile 4c + w, i.e. the 16 rows that wgmma m64nNk16 gives
+// that warp. Per stage a lane reads its 2 x 16 bytes of weight rows g, g + 8 of chunk t (the split
+// layout's rotated slots, conflict-free), decodes each 8-code word into the A fragment of two k16
+// steps (Decoder + exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma
+// against the stage's activations: the decode is shared by kBN tokens, B never passes through
+// registers, and the decode of step q + 1 overlaps the tensor cores' work on step q.
+//
+// The k order. In the split layout lane t holds chunk t (codes 32t .. 32t + 31) and the A fragment
+// of k16 step (q, h) takes codes 8q + 4h + {0, 1} (logical k 2t, 2t + 1) and 8q + 4h + {2, 3}
+// (logical k 2t + 8, 2t + 9) of each lane's chunk: the same k permutation as the GEMV's and the
+// mma.sync GEMM's. wgmma reads B in logical order, so the producer writes the activations
+// permuted to match: in core matrix kc of step s = 2q + h, row n, the 4-byte word t is
+// x[n, 32t + 8q + 4h + 2kc .. + 1]. A thread loads the four 16-byte pieces 32t + 8q (t = 0..3) of
+// one row and stores them regrouped as four 16-byte core-matrix rows: no shuffles, no bank
+// conflicts (the 8 lanes of a quarter warp write 8 consecutive rows of one core matrix).
+//
+// B layout in shared memory (no swizzle, K-major): step s occupies kBN x 32 bytes; core matrix
+// (kc, 8-row group j) of it starts at s * kBN * 32 + kc * kBN * 16 + j * 128. Descriptor: leading
+// (K) byte offset kBN * 16, stride (N) byte offset 128.
+//
+// Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
+// (256 consumer arrivals, after the wgmma that read the slot completed). The producer writes the
+// activation rows with ordinary stores: each producer thread fences them into the async proxy
+// before it arrives. Work items, their order and the schedule scan are gemm_fp4.cu's; the
+// producer runs up to kStages stages ahead across item boundaries, so one item's epilogue
+// overlaps the next item's loads.
+#include "common.cuh"
+#include "fp4_mma.cuh"
+
+// The wrappers have external linkage (a named namespace): NVRTC warns about every unused
+// function of internal linkage, and each specialisation uses only its own width.
+namespace wg {
+
+// wgmma m64nNk16, fp32 accumulators, A (4 registers) from registers, B from the descriptor b;
+// scale_d = 0 overwrites the accumulators. Wgmma<N, T>::run; one specialisation per N and type.
+template <int kN, typename T> struct Wgmma;
+// Accumulator operands d[i .. i + 7] and the other operands of every wrapper below.
+#define CM_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+    "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CM_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d)
+template <> struct Wgmma<32, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+            "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<32, __half> {
+    __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+            "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<64, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<64, __half> {
+    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<128, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
+              CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<128, __half> {
+    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
+              CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56)
+            : CM_WG_IN);
+    }
+};
+#undef CM_WG_D8
+#undef CM_WG_IN
+
+}  // namespace wg
+
+namespace {
+
+constexpr int kChunk = 32;        // codes per 16-byte row piece of the split layout
+constexpr int kStageChunks = 4;   // chunks per stage: chunk t for lane t
+constexpr int kStageCodes = kChunk * kStageChunks;
+constexpr int kMTileBytes = 1024; // one m-tile (16 weight rows) x 128 codes
+constexpr int kBMT = 8;           // m-tiles per block tile: 2 consumer groups x 4 warps
+constexpr int kThreads = 384;     // producer group + 2 consumer groups
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers and bulk copies ------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("{ .reg .b64 state; mbarrier.arrive.release.cta.shared::cta.b64 state, [%0]; }" ::"r"(
+                     bar)
+                 : "memory");
+}
+// Waits for the completion of the phase of parity `parity` (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2; "
+            "selp.u32 %0, 1, 0, p; }"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+// Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma).
+__device__ __forceinline__ void fence_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- wgmma ----------------------------------------------------------------------------------
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator across a wgmma fence or wait.
+template <int kN> __device__ __forceinline__ void pin(float (&d)[kN]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor, no swizzle: start address, leading (K) and stride (M/N) byte
+// offsets, each in units of 16 bytes.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lead >> 4) << 16) |
+           ((uint64_t)(stride >> 4) << 32);
+}
+
+
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint32_t lds16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+__device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
+                 : "memory");
+}
+
+// The arguments of one launch (as gemm_fp4.cu's Params).
+struct Params {
+    const void* x;              // FC1: [tokens, k] (token order); FC2: [rows, k] (expanded order)
+    const int* row_source;      // FC1: expanded row -> token * top_k + slot; FC2: nullptr
+    const uint8_t* w0;          // FC2 weights / FC1 gate, split layout [E, tiles, chunks, rows, 16]
+    const uint8_t* w1;          // FC1 up (same layout); FC2: nullptr
+    const uint8_t* scales;      // [E, tiles, chunks, 8 * 2 * 32 / kBlock] (layouts.tile_scales)
+    const float* global0;       // [E]
+    const float* global1;       // [E] (FC1)
+    const float* bias0;         // [E, n] float32 (kBias)
+    const float* bias1;         // [E, n] float32 (FC1 with kBias)
+    const int* expert_offsets;  // [E + 1]
+    const int* active;          // [slots] expert ids with rows, padded with -1
+    void* out;                  // [rows, n] of T, expanded order
+    int n_experts, slots, n, k, chunks, top_k, scale_shift;
+    float alpha, limit;
+};
+
+struct Item {
+    int e;       // expert
+    int row0;    // first expanded row of the tile
+    int rows;    // rows of the tile (1..kBN)
+    int cblock;  // column block: m-tiles cblock * kBMT ..
+};
+
+// Block-wide exclusive scan of ceil(rows / kBN) over the active slots into tile_start[0..slots].
+template <int kBN> __device__ __forceinline__ void scan_row_tiles(const Params& p, int* tile_start) {
+    __shared__ int warp_total[kThreads / 32];
+    const int per = (p.slots + kThreads - 1) / kThreads;
+    const int j0 = min((int)threadIdx.x * per, p.slots), j1 = min(j0 + per, p.slots);
+    int sum = 0;
+    for (int j = j0; j < j1; ++j) {
+        const int e = p.active[j];
+        const int rows = e >= 0 && e < p.n_experts ? p.expert_offsets[e + 1] - p.expert_offsets[e] : 0;
+        const int count = (rows + kBN - 1) / kBN;
+        tile_start[j] = count;
+        sum += count;
+    }
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int incl = sum;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
+        if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_total[warp] = incl;
+    __syncthreads();
+    int run = incl - sum;
+    for (int w = 0; w < warp; ++w) run += warp_total[w];
+    for (int j = j0; j < j1; ++j) {
+        const int count = tile_start[j];
+        tile_start[j] = run;
+        run += count;
+    }
+    if (threadIdx.x == kThreads - 1) tile_start[p.slots] = run;
+    __syncthreads();
+}
+
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+struct Gemm90 {
+    using Dec = Decoder<T, kSplit>;
+    static constexpr bool kGated = kAct != 0;
+    static constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
+    static constexpr int kScaleBytes = 2 * kChunk / kBlock;       // per lane row: 4 or 2
+    static constexpr int kScaleChunkBytes = 8 * kScaleBytes;      // per m-tile and chunk
+    static constexpr int kScaleTileBytes = kStageChunks * kScaleChunkBytes;
+    static constexpr int kRowsPerTile = kGated ? 8 : 16;          // rows of one matrix per m-tile
+    static constexpr int kABytes = kBMT * kMTileBytes;
+    static constexpr int kSBytes = kBMT * kScaleTileBytes;
+    static constexpr int kBBytes = kBN * kStageCodes * 2;
+    static constexpr int kStageBytes = kABytes + kSBytes + kBBytes;
+    static constexpr int kStepBytes = kBN * 32;                   // B bytes of one k16 step
+    static constexpr int kAcc = kBN / 2;                          // accumulators per thread
+    static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
+    static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
+    static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
+    static_assert(kStageBytes % 128 == 0, "stage alignment");
+
+    const Params& p;
+    uint8_t* smem;
+    const int* tile_start;  // [slots + 1] first row tile of each active slot (shared)
+    const uint32_t* table;  // 256 scale-table entries (shared)
+    uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
+    int tiles, col_blocks, ksteps, n_items;
+
+    __device__ __forceinline__ Item item(int index) const {
+        const int rt = index / col_blocks;
+        int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi]
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (tile_start[mid] <= rt) lo = mid; else hi = mid;
+        }
+        Item it;
+        it.e = p.active[lo];
+        const int begin = p.expert_offsets[it.e];
+        const int end = p.expert_offsets[it.e + 1];
+        it.row0 = begin + (rt - tile_start[lo]) * kBN;
+        it.rows = min(kBN, end - it.row0);
+        it.cblock = index - rt * col_blocks;
+        return it;
+    }
+
+    // Producer group: bulk copies of weights and scales (warp 0), activation rows (all).
+    __device__ __forceinline__ void produce() const {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        const int q = lane / 8;  // this lane's pieces 32t + 8q of each row, t = 0..3
+        const T* const x = static_cast<const T*>(p.x);
+        const size_t a_expert = (size_t)tiles * kRowsPerTile * p.chunks * 16;
+        const size_t s_expert = (size_t)tiles * p.chunks * kScaleChunkBytes;
+        int st = 0;
+        for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
+            const Item it = item(index);
+            const T* src[kRowPasses];
+#pragma unroll
+            for (int ps = 0; ps < kRowPasses; ++ps) {
+                const int n = ps * 32 + warp * 8 + lane % 8;
+                const int r = it.row0 + (n < it.rows ? n : 0);
+                const int s = p.row_source ? p.row_source[r] / p.top_k : r;
+                src[ps] = n < it.rows ? x + (size_t)s * p.k + 8 * q : nullptr;
+            }
+            // Copy lane: FC2 lanes 0-7 weights of m-tile lane, 8-15 its scales; FC1 lanes 0-7
+            // gate, 8-15 up, 16-23 scales.
+            const int ctile = lane % 8, cpart = lane / 8;
+            const int tile = it.cblock * kBMT + ctile;
+            const int live_tiles = min(kBMT, tiles - it.cblock * kBMT);
+            const uint8_t* csrc;
+            uint32_t cdst, cstride, cunit;
+            if (cpart == (kGated ? 2 : 1)) {
+                csrc = p.scales + it.e * s_expert + (size_t)tile * p.chunks * kScaleChunkBytes;
+                cdst = kABytes + ctile * kScaleTileBytes;
+                cunit = kScaleChunkBytes;
+            } else {
+                csrc = (cpart == 1 ? p.w1 : p.w0) + it.e * a_expert +
+                       (size_t)tile * p.chunks * kRowsPerTile * 16;
+                cdst = ctile * kMTileBytes + cpart * 512;
+                cunit = kRowsPerTile * 16;
+            }
+            cstride = kStageChunks * cunit;
+            const bool copies = warp == 0 && cpart <= (kGated ? 2 : 1) && ctile < live_tiles;
+
+            for (int ks = 0; ks < ksteps; ++ks, ++st) {
+                const int slot = st % kStages;
+                const uint32_t parity = ((st / kStages) & 1) ^ 1;
+                uint4 v[kRowPasses][4];
+#pragma unroll
+                for (int ps = 0; ps < kRowPasses; ++ps)
+#pragma unroll
+                    for (int t = 0; t < 4; ++t) {
+                        const int k = ks * kStageCodes + 32 * t + 8 * q;
+                        v[ps][t] = src[ps] != nullptr && k < p.k
+                                       ? *reinterpret_cast<const uint4*>(src[ps] + ks * kStageCodes + 32 * t)
+                                       : make_uint4(0u, 0u, 0u, 0u);
+                    }
+                mbar_wait(empty + 8 * slot, parity);
+                const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
+                if (warp == 0) {
+                    const int vc = min(kStageChunks, p.chunks - ks * kStageChunks);
+                    if (lane == 0)
+                        mbar_expect_tx(full + 8 * slot, live_tiles * vc * (256 + kScaleChunkBytes));
+                    __syncwarp();
+                    if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, vc * cunit, full + 8 * slot);
+                }
+                const uint32_t b = stage + kABytes + kSBytes;
+#pragma unroll
+                for (int ps = 0; ps < kRowPasses; ++ps) {
+                    const int n = ps * 32 + warp * 8 + lane % 8;
+                    if (kBN % 32 == 0 || n < kBN) {
+                        const uint32_t row = b + (n / 8) * 128 + (n % 8) * 16;
+                        const uint4(&u)[4] = v[ps];
+                        // Step 2q + h, core kc: words x[32t + 8q + 4h + 2kc], t = 0..3.
+                        sts128(row + (2 * q) * kStepBytes, u[0].x, u[1].x, u[2].x, u[3].x);
+                        sts128(row + (2 * q) * kStepBytes + kBN * 16, u[0].y, u[1].y, u[2].y, u[3].y);
+                        sts128(row + (2 * q + 1) * kStepBytes, u[0].z, u[1].z, u[2].z, u[3].z);
+                        sts128(row + (2 * q + 1) * kStepBytes + kBN * 16, u[0].w, u[1].w, u[2].w,
+                               u[3].w);
+                    }
+                }
+                fence_async_shared();
+                mbar_arrive(full + 8 * slot);
+            }
+        }
+    }
+
+    // Consumer groups: decode, wgmma, epilogue.
+    __device__ __forceinline__ void consume() const {
+        const int group = threadIdx.x / 128 - 1;
+        const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+        const int g = lane / 4, t = lane % 4;
+        const int mt = group * 4 + warp;
+        // Row g of chunk t at slot (g + 2t) % 8 of its group of 8 (layouts.split_slot).
+        const int a_off = mt * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
+        const int s_off = kABytes + mt * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
+        float acc[kAcc];
+        int st = 0;
+        for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
+            const Item it = item(index);
+            for (int ks = 0; ks < ksteps; ++ks, ++st) {
+                const int slot = st % kStages;
+                mbar_wait(full + 8 * slot, (st / kStages) & 1);
+                const uint8_t* const stage = smem + slot * kStageBytes;
+                const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
+                const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+                const uint4 wv0 = live ? lds128(stage + a_off) : zero;
+                const uint4 wv1 = live ? lds128(stage + a_off + (kGated ? 512 : 128)) : zero;
+                const uint32_t sv = !live ? 0u : kScaleBytes == 4 ? lds32(stage + s_off) : lds16(stage + s_off);
+                const uint32_t w0[4] = {wv0.x, wv0.y, wv0.z, wv0.w};
+                const uint32_t w1[4] = {wv1.x, wv1.y, wv1.z, wv1.w};
+                const uint32_t b = smem_u32(stage + kABytes + kSBytes);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+                    const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+                    const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
+                    const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
+                    uint32_t h0[4], h1[4];
+                    Dec::run(w0[q], h0);
+                    Dec::run(w1[q], h1);
+#pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        h0[u] = mul2(h0[u], s0, T());
+                        h1[u] = mul2(h1[u], s1, T());
+                    }
+                    const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
+                    const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
+                    wgmma_fence();
+                    wg::Wgmma<kBN, T>::run(acc, a_lo, smem_desc(b + 2 * q * kStepBytes, kBN * 16, 128),
+                          (ks | q) != 0);
+                    wg::Wgmma<kBN, T>::run(acc, a_hi, smem_desc(b + (2 * q + 1) * kStepBytes, kBN * 16, 128), 1);
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                }
+                wgmma_wait<0>();
+                pin(acc);
+                mbar_arrive(empty + 8 * slot);
+            }
+            epilogue(it, mt, acc);
+        }
+    }
+
+    // Scale, bias, activation, store. Accumulator j of n8 block jb: (row g, tokens 8jb + 2t + u)
+    // for j = 4jb + u, (row g + 8, same) for j = 4jb + 2 + u.
+    __device__ __forceinline__ void epilogue(const Item& it, int mt, const float (&acc)[kAcc]) const {
+        const int lane = threadIdx.x % 32;
+        const int g = lane / 4, t = lane % 4;
+        const int post = -(Dec::kExp + kTableShift + p.scale_shift);
+        const float f0 = ldexpf(p.global0[it.e], post);
+        const float f1 = kGated ? ldexpf(p.global1[it.e], post) : 0.0f;
+        T* out = static_cast<T*>(p.out);
+        const int tile = it.cblock * kBMT + mt;
+        if constexpr (kGated) {
+            const int col = tile * 8 + g;
+            if (col >= p.n) return;
+            const float bg = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
+            const float bu = kBias ? p.bias1[(size_t)it.e * p.n + col] : 0.0f;
+#pragma unroll
+            for (int jb = 0; jb < kBN / 8; ++jb)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int n = 8 * jb + 2 * t + u;
+                    if (n < it.rows)
+                        out[(size_t)(it.row0 + n) * p.n + col] = cm::from_float<T>(activate<kAct>(
+                            acc[4 * jb + u] * f0 + bg, acc[4 * jb + 2 + u] * f1 + bu, p.alpha, p.limit));
+                }
+        } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int col = tile * 16 + g + 8 * h;
+                if (col >= p.n) continue;
+                const float bias = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
+#pragma unroll
+                for (int jb = 0; jb < kBN / 8; ++jb)
+#pragma unroll
+                    for (int u = 0; u < 2; ++u) {
+                        const int n = 8 * jb + 2 * t + u;
+                        if (n < it.rows)
+                            out[(size_t)(it.row0 + n) * p.n + col] =
+                                cm::from_float<T>(acc[4 * jb + 2 * h + u] * f0 + bias);
+                    }
+            }
+        }
+    }
+};
+
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+__device__ __forceinline__ void gemm90_body(const Params& p) {
+    using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages>;
+    extern __shared__ __align__(1024) uint8_t dyn_smem[];
+    __shared__ uint32_t table[256];
+    __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[0..kStages), empty[..]
+    int* tile_start = reinterpret_cast<int*>(dyn_smem + kStages * G::kStageBytes);
+
+    for (int i = threadIdx.x; i < 256; i += kThreads) {
+        const uint32_t b = scale_bits<kFormat, T>(i, G::kTableShift + p.scale_shift);
+        table[i] = b | (b << 16);
+    }
+    const uint32_t full = smem_u32(bars), empty = smem_u32(bars + kStages);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(full + 8 * s, 128);
+            mbar_init(empty + 8 * s, 256);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    // Programmatic dependent launch: as gemm_fp4.cu (FC1 waits before the maps, FC2 after).
+    if constexpr (kAct != 0) cm::wait_upstream();
+    scan_row_tiles<kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
+    if constexpr (kAct == 0) cm::wait_upstream();
+
+    G gemm{p, dyn_smem, tile_start, table, full, empty, 0, 0, 0, 0};
+    gemm.tiles = (p.n + G::kRowsPerTile - 1) / G::kRowsPerTile;
+    gemm.col_blocks = (gemm.tiles + kBMT - 1) / kBMT;
+    gemm.ksteps = (p.chunks + kStageChunks - 1) / kStageChunks;
+    gemm.n_items = tile_start[p.slots] * gemm.col_blocks;
+    if (threadIdx.x < 128) {
+        gemm.produce();
+    } else {
+        gemm.consume();
+    }
+}
+
+}  // namespace
+
+// FC2: persistent grid (at most one block per SM), 384 threads; dynamic shared memory = kStages
+// stages + (slots + 1) ints (experts/gemm.py computes it). Arguments as gemm_fp4.cu's gemm_fc2.
+template <int kFormat, typename T, bool kBias, int kBN, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
+               const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
+               const float* __restrict__ bias, const int* __restrict__ expert_offsets,
+               const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
+               int k, int chunks, int scale_shift) {
+    const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
+                   nullptr, bias,   nullptr, expert_offsets, active, out,
+                   n_experts, slots, n,    k,         chunks, 1,
+                   scale_shift, 0.0f, 0.0f};
+    gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p);
+}
+
+// FC1: as FC2; arguments as gemm_fp4.cu's gemm_fc1.
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm90_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
+               const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
+               const uint8_t* __restrict__ scales, const float* __restrict__ gate_global,
+               const float* __restrict__ up_global, const float* __restrict__ gate_bias,
+               const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
+               const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
+               int k, int chunks, int top_k, int scale_shift, float alpha, float limit) {
+    static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
+    const Params p{x,         row_source, gate,    up,        scales,         gate_global,
+                   up_global, gate_bias,  up_bias, expert_offsets, active,    out,
+                   n_experts, slots,      n,       k,         chunks,         top_k,
+                   scale_shift, alpha,    limit};
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
+}
