@@ -16,7 +16,7 @@ from cupymoe.experts.activation import ActivationSpec
 from cupymoe.experts.gemm import (
     GEMM_TILINGS,
     TILING_FOR_ROWS_PER_EXPERT,
-    WGMMA_TILING_FOR_ROWS_PER_EXPERT,
+    WGMMA_MIN_ROWS_PER_EXPERT,
     WGMMA_TILINGS,
     GemmConfig,
     WgmmaConfig,
@@ -96,10 +96,7 @@ def test_wgmma_config_table() -> None:
         WgmmaConfig(48, 4)
     with pytest.raises(TypeError, match="bn"):
         WgmmaConfig(True, 4)  # type: ignore[arg-type]
-    (small, bn_small), (mid, bn_mid) = WGMMA_TILING_FOR_ROWS_PER_EXPERT
-    assert WgmmaConfig.for_rows(int(small) * 256, 256).key == bn_small
-    assert WgmmaConfig.for_rows(int(small + 1) * 256, 256).key == bn_mid
-    assert WgmmaConfig.for_rows(4096 * 4, 32).key == WGMMA_TILINGS[-1]
+    assert 8 < WGMMA_MIN_ROWS_PER_EXPERT < 128  # between the measured losses and wins
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         assert cfg.shared_bytes(0, 2048) <= 227 * 1024 - 2048  # static: table and barriers

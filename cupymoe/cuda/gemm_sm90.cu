@@ -30,9 +30,12 @@
 // one row and stores them regrouped as four 16-byte core-matrix rows: no shuffles, no bank
 // conflicts (the 8 lanes of a quarter warp write 8 consecutive rows of one core matrix).
 //
-// B layout in shared memory (no swizzle, K-major): step s occupies kBN x 32 bytes; core matrix
-// (kc, 8-row group j) of it starts at s * kBN * 32 + kc * kBN * 16 + j * 128. Descriptor: leading
-// (K) byte offset kBN * 16, stride (N) byte offset 128.
+// B layout in shared memory: K-major with the 128-byte swizzle. The stage's 128 logical k are two
+// halves of 64; in half kh, row n is 128 bytes at kh * kBN * 128 + n * 128 whose 16-byte chunk j
+// (logical k 8j .. 8j + 7, i.e. step 4kh + j / 2, core kc = j % 2) sits at chunk j ^ (n % 8).
+// The unswizzled layout (core matrices of 8 rows x 16 contiguous bytes) measured 77 % shared-
+// memory throughput at 31 % tensor utilisation: the wgmma B reads conflicted. Descriptor of step
+// s: start kh * kBN * 128 + (s % 4) * 32, stride (8-row group) byte offset 1024.
 //
 // Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
 // (256 consumer arrivals, after the wgmma that read the slot completed). The producer writes the
@@ -204,11 +207,12 @@ template <int kN> __device__ __forceinline__ void pin(float (&d)[kN]) {
     for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Shared-memory matrix descriptor, no swizzle: start address, leading (K) and stride (M/N) byte
-// offsets, each in units of 16 bytes.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lead >> 4) << 16) |
-           ((uint64_t)(stride >> 4) << 32);
+// Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle (layout type 1
+// in bits 62-63): start address, stride byte offset 1024 (8 rows of 128 bytes), the leading byte
+// offset unused (1), base offset 0 (every swizzle atom is 1024-byte aligned).
+__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           (1ull << 62);
 }
 
 
@@ -287,16 +291,19 @@ struct Gemm90 {
     static constexpr int kScaleChunkBytes = 8 * kScaleBytes;      // per m-tile and chunk
     static constexpr int kScaleTileBytes = kStageChunks * kScaleChunkBytes;
     static constexpr int kRowsPerTile = kGated ? 8 : 16;          // rows of one matrix per m-tile
-    static constexpr int kABytes = kBMT * kMTileBytes;
-    static constexpr int kSBytes = kBMT * kScaleTileBytes;
+    // A stage: activations (B, first: its swizzle atoms are 1024-byte aligned), weights (A),
+    // scales (padded to 1 KB so that every stage is a multiple of 1024 bytes).
     static constexpr int kBBytes = kBN * kStageCodes * 2;
-    static constexpr int kStageBytes = kABytes + kSBytes + kBBytes;
-    static constexpr int kStepBytes = kBN * 32;                   // B bytes of one k16 step
+    static constexpr int kABytes = kBMT * kMTileBytes;
+    static constexpr int kAOff = kBBytes;
+    static constexpr int kSOff = kBBytes + kABytes;
+    static constexpr int kStageBytes = kSOff + 1024;
+    static constexpr int kHalfBytes = kBN * 128;                  // B: 64 logical k of kBN rows
     static constexpr int kAcc = kBN / 2;                          // accumulators per thread
     static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
-    static_assert(kStageBytes % 128 == 0, "stage alignment");
+    static_assert(kStageBytes % 1024 == 0 && kBMT * kScaleTileBytes <= 1024, "stage alignment");
 
     const Params& p;
     uint8_t* smem;
@@ -349,12 +356,12 @@ struct Gemm90 {
             uint32_t cdst, cstride, cunit;
             if (cpart == (kGated ? 2 : 1)) {
                 csrc = p.scales + it.e * s_expert + (size_t)tile * p.chunks * kScaleChunkBytes;
-                cdst = kABytes + ctile * kScaleTileBytes;
+                cdst = kSOff + ctile * kScaleTileBytes;
                 cunit = kScaleChunkBytes;
             } else {
                 csrc = (cpart == 1 ? p.w1 : p.w0) + it.e * a_expert +
                        (size_t)tile * p.chunks * kRowsPerTile * 16;
-                cdst = ctile * kMTileBytes + cpart * 512;
+                cdst = kAOff + ctile * kMTileBytes + cpart * 512;
                 cunit = kRowsPerTile * 16;
             }
             cstride = kStageChunks * cunit;
@@ -382,20 +389,18 @@ struct Gemm90 {
                     __syncwarp();
                     if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, vc * cunit, full + 8 * slot);
                 }
-                const uint32_t b = stage + kABytes + kSBytes;
 #pragma unroll
                 for (int ps = 0; ps < kRowPasses; ++ps) {
                     const int n = ps * 32 + warp * 8 + lane % 8;
-                    if (kBN % 32 == 0 || n < kBN) {
-                        const uint32_t row = b + (n / 8) * 128 + (n % 8) * 16;
-                        const uint4(&u)[4] = v[ps];
-                        // Step 2q + h, core kc: words x[32t + 8q + 4h + 2kc], t = 0..3.
-                        sts128(row + (2 * q) * kStepBytes, u[0].x, u[1].x, u[2].x, u[3].x);
-                        sts128(row + (2 * q) * kStepBytes + kBN * 16, u[0].y, u[1].y, u[2].y, u[3].y);
-                        sts128(row + (2 * q + 1) * kStepBytes, u[0].z, u[1].z, u[2].z, u[3].z);
-                        sts128(row + (2 * q + 1) * kStepBytes + kBN * 16, u[0].w, u[1].w, u[2].w,
-                               u[3].w);
-                    }
+                    // Step 2q + h, core kc: words x[32t + 8q + 4h + 2kc], t = 0..3, in half q / 2
+                    // at logical chunk j = 4 (q % 2) + 2h + kc, stored at chunk j ^ (n % 8).
+                    const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
+                    const int j0 = 4 * (q % 2), r = n % 8;
+                    const uint4(&u)[4] = v[ps];
+                    sts128(row + ((j0 + 0) ^ r) * 16, u[0].x, u[1].x, u[2].x, u[3].x);
+                    sts128(row + ((j0 + 1) ^ r) * 16, u[0].y, u[1].y, u[2].y, u[3].y);
+                    sts128(row + ((j0 + 2) ^ r) * 16, u[0].z, u[1].z, u[2].z, u[3].z);
+                    sts128(row + ((j0 + 3) ^ r) * 16, u[0].w, u[1].w, u[2].w, u[3].w);
                 }
                 fence_async_shared();
                 mbar_arrive(full + 8 * slot);
@@ -410,53 +415,80 @@ struct Gemm90 {
         const int g = lane / 4, t = lane % 4;
         const int mt = group * 4 + warp;
         // Row g of chunk t at slot (g + 2t) % 8 of its group of 8 (layouts.split_slot).
-        const int a_off = mt * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
-        const int s_off = kABytes + mt * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
+        const int a_off =
+            kAOff + mt * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
+        const int s_off = kSOff + mt * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
         float acc[kAcc];
         int st = 0;
         for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
             const Item it = item(index);
-            for (int ks = 0; ks < ksteps; ++ks, ++st) {
-                const int slot = st % kStages;
-                mbar_wait(full + 8 * slot, (st / kStages) & 1);
-                const uint8_t* const stage = smem + slot * kStageBytes;
-                const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
-                const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-                const uint4 wv0 = live ? lds128(stage + a_off) : zero;
-                const uint4 wv1 = live ? lds128(stage + a_off + (kGated ? 512 : 128)) : zero;
-                const uint32_t sv = !live ? 0u : kScaleBytes == 4 ? lds32(stage + s_off) : lds16(stage + s_off);
-                const uint32_t w0[4] = {wv0.x, wv0.y, wv0.z, wv0.w};
-                const uint32_t w1[4] = {wv1.x, wv1.y, wv1.z, wv1.w};
-                const uint32_t b = smem_u32(stage + kABytes + kSBytes);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
-                    const int b0 = kScaleBytes == 4 ? q / 2 : 0;
-                    const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
-                    const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
-                    uint32_t h0[4], h1[4];
-                    Dec::run(w0[q], h0);
-                    Dec::run(w1[q], h1);
-#pragma unroll
-                    for (int u = 0; u < 4; ++u) {
-                        h0[u] = mul2(h0[u], s0, T());
-                        h1[u] = mul2(h1[u], s1, T());
-                    }
-                    const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
-                    const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
-                    wgmma_fence();
-                    wg::Wgmma<kBN, T>::run(acc, a_lo, smem_desc(b + 2 * q * kStepBytes, kBN * 16, 128),
-                          (ks | q) != 0);
-                    wg::Wgmma<kBN, T>::run(acc, a_hi, smem_desc(b + (2 * q + 1) * kStepBytes, kBN * 16, 128), 1);
-                    wgmma_commit();
-                    wgmma_wait<1>();
-                }
-                wgmma_wait<0>();
-                pin(acc);
-                mbar_arrive(empty + 8 * slot);
+            // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), so an expert's
+            // last, partial tile costs the tensor cores its rows, not kBN. The branch is per item
+            // (warp-group uniform) around whole K loops: ptxas serialises wgmma issued under a
+            // branch it cannot prove uniform.
+            const int width = min(kBN, (it.rows + 31) / 32 * 32);
+            if (kBN >= 128 && width > 64) {
+                k_loop<kBN >= 128 ? 128 : 32>(acc, st, a_off, s_off, t);
+            } else if (kBN >= 64 && width > 32) {
+                k_loop<kBN >= 64 ? 64 : 32>(acc, st, a_off, s_off, t);
+            } else {
+                k_loop<32>(acc, st, a_off, s_off, t);
             }
             epilogue(it, mt, acc);
         }
+    }
+
+    // The K loop of one item at wgmma width kW (<= kBN) on the first kW / 2 accumulators (the
+    // others belong to rows past the tile, which the epilogue never stores). The slot whose last
+    // wgmma group may still read it is released once the next stage's first wait shows that group
+    // complete, so the tensor cores do not drain between stages.
+    template <int kW>
+    __device__ __forceinline__ void k_loop(float (&acc)[kAcc], int& st, int a_off, int s_off,
+                                           int t) const {
+        auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc);
+        int reading = -1;
+        for (int ks = 0; ks < ksteps; ++ks, ++st) {
+            const int slot = st % kStages;
+            mbar_wait(full + 8 * slot, (st / kStages) & 1);
+            const uint8_t* const stage = smem + slot * kStageBytes;
+            const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            const uint4 wv0 = live ? lds128(stage + a_off) : zero;
+            const uint4 wv1 = live ? lds128(stage + a_off + (kGated ? 512 : 128)) : zero;
+            const uint32_t sv = !live ? 0u : kScaleBytes == 4 ? lds32(stage + s_off) : lds16(stage + s_off);
+            const uint32_t w0[4] = {wv0.x, wv0.y, wv0.z, wv0.w};
+            const uint32_t w1[4] = {wv1.x, wv1.y, wv1.z, wv1.w};
+            const uint32_t b = smem_u32(stage);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+                const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+                const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
+                const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
+                uint32_t h0[4], h1[4];
+                Dec::run(w0[q], h0);
+                Dec::run(w1[q], h1);
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    h0[u] = mul2(h0[u], s0, T());
+                    h1[u] = mul2(h1[u], s1, T());
+                }
+                const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
+                const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
+                wgmma_fence();
+                // Steps 2q, 2q + 1: half q / 2, 32-byte offsets 2 (q % 2) and 2 (q % 2) + 1.
+                const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
+                wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
+                wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
+                wgmma_commit();
+                wgmma_wait<1>();  // group q - 1 done: its A registers may be rewritten
+                if (q == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
+            }
+            reading = slot;
+        }
+        wgmma_wait<0>();
+        pin(d);
+        if (reading >= 0) mbar_arrive(empty + 8 * reading);
     }
 
     // Scale, bias, activation, store. Accumulator j of n8 block jb: (row g, tokens 8jb + 2t + u)
@@ -506,9 +538,11 @@ struct Gemm90 {
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 __device__ __forceinline__ void gemm90_body(const Params& p) {
     using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages>;
-    extern __shared__ __align__(1024) uint8_t dyn_smem[];
+    extern __shared__ __align__(16) uint8_t dyn_raw[];
     __shared__ uint32_t table[256];
     __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[0..kStages), empty[..]
+    // The stages start at the first 1024-byte boundary (the launch adds 1 KB of slack).
+    uint8_t* const dyn_smem = dyn_raw + ((1024u - (smem_u32(dyn_raw) & 1023u)) & 1023u);
     int* tile_start = reinterpret_cast<int*>(dyn_smem + kStages * G::kStageBytes);
 
     for (int i = threadIdx.x; i < 256; i += kThreads) {

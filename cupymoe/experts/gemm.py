@@ -41,7 +41,7 @@ __all__ = [
     "GEMM_TILINGS",
     "TILING_FOR_ROWS_PER_EXPERT",
     "WGMMA_TILINGS",
-    "WGMMA_TILING_FOR_ROWS_PER_EXPERT",
+    "WGMMA_MIN_ROWS_PER_EXPERT",
     "GemmConfig",
     "WgmmaConfig",
     "default_config",
@@ -168,12 +168,13 @@ ENV_WGMMA = "CUPYMOE_WGMMA"
 #: 128 weight rows per block tile, one block per SM.
 WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((32, 6), (64, 6), (128, 4))
 
-#: Analytic table of the wgmma kernel: (largest average rows per active expert, tiling); above
-#: the last entry bn 128.
-WGMMA_TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int]], ...] = (
-    (40, WGMMA_TILINGS[0]),
-    (80, WGMMA_TILINGS[1]),
-)
+#: Average rows per active expert above which sm_90 runs the wgmma kernel (bn 128) instead of
+#: the mma.sync table. Measured on the H200 (FC1 + FC2 graph replays over HBM-resident weights,
+#: µs, mma.sync default / wgmma bn 32 / 64 / 128): Qwen3.6 M = 1,024 (32 rows per expert) 390 /
+#: 492 / 514 / 544; M = 4,096 (128) 1,213 / 1,446 / 1,297 / 1,048; gpt-oss M = 256 (32) 351 / 500
+#: / 490 / 512; M = 1,024 (128) 1,083 / 1,478 / 1,212 / 1,002; M = 4,096 (512) 3,430 / 5,217 /
+#: 4,050 / 2,991. bn 32 and 64 never won; they stay compiled for tuning and tests.
+WGMMA_MIN_ROWS_PER_EXPERT = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,21 +206,14 @@ class WgmmaConfig:
     m_tiles = 8
 
     def stage_bytes(self, fmt_code: int) -> int:
-        return self.m_tiles * (_MTILE_BYTES + _SCALE_TILE_BYTES[fmt_code]) + self.bn * _XROW_BYTES
+        """Activations, weights, and the scales padded to 1 KB (Gemm90 in cuda/gemm_sm90.cu)."""
+        del fmt_code  # the scales of both formats fit the padded kilobyte
+        return self.bn * _XROW_BYTES + self.m_tiles * _MTILE_BYTES + 1024
 
     def shared_bytes(self, fmt_code: int, slots: int) -> int:
-        """Dynamic shared memory of a launch: the stages and the row-tile table of ``slots``."""
-        return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
-
-    @staticmethod
-    def for_rows(rows: int, n_experts: int) -> WgmmaConfig:
-        """The tiling for ``rows`` expanded rows over ``n_experts`` experts, from the average
-        rows per active expert: :data:`WGMMA_TILING_FOR_ROWS_PER_EXPERT`."""
-        per_expert = rows / max(1, min(rows, n_experts))
-        for limit, tiling in WGMMA_TILING_FOR_ROWS_PER_EXPERT:
-            if per_expert <= limit:
-                return WgmmaConfig(*tiling)
-        return WgmmaConfig(*WGMMA_TILINGS[-1])
+        """Dynamic shared memory of a launch: 1 KB of slack to align the stages to 1024 bytes
+        (the swizzle atoms), the stages, and the row-tile table of ``slots``."""
+        return 1024 + self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
 
 
 def wgmma_enabled() -> bool:
@@ -262,11 +256,13 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig | WgmmaConfig:
-    """The tiling a call gets when none is given: :meth:`WgmmaConfig.for_rows` where
-    :func:`wgmma_enabled`, else :meth:`GemmConfig.for_rows` within the current device's shared
-    memory."""
-    if wgmma_enabled():
-        return WgmmaConfig.for_rows(rows, n_experts)
+    """The tiling a call gets when none is given: the wgmma kernel (bn 128) where
+    :func:`wgmma_enabled` and the average rows per active expert exceed
+    :data:`WGMMA_MIN_ROWS_PER_EXPERT`, else :meth:`GemmConfig.for_rows` within the current
+    device's shared memory."""
+    per_expert = rows / max(1, min(rows, n_experts))
+    if per_expert > WGMMA_MIN_ROWS_PER_EXPERT and wgmma_enabled():
+        return WgmmaConfig(*WGMMA_TILINGS[-1])
     return GemmConfig.for_rows(
         rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()
     )
