@@ -27,10 +27,19 @@ class LayerGraph:
     """
 
     def __init__(
-        self, graph: Any, stream: Any, x: Any, logits: list[Any], out: Any, keep: Any
+        self,
+        graph: Any,
+        stream: Any,
+        x: Any,
+        logits: list[Any],
+        out: Any,
+        keep: Any,
+        workspaces: Sequence[Any] = (),
     ) -> None:
         self._graph = graph
         self._keep = keep  # every buffer the graph's kernels address must outlive it
+        #: Per layer, the graph's own intermediate buffers (``own_workspace``) or ``None``.
+        self.workspaces = list(workspaces)
         self.stream = stream
         self.x = x
         self.logits = logits
@@ -125,7 +134,9 @@ def record_graph(
             graph = stream.end_capture()
     graph.upload(stream)
     stream.synchronize()
-    return LayerGraph(graph, stream, x, logits, outs[-1], keep=(outs, devices, workspaces))
+    return LayerGraph(
+        graph, stream, x, logits, outs[-1], keep=(outs, devices), workspaces=workspaces
+    )
 
 
 def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> dict[str, float]:
