@@ -44,7 +44,7 @@ __all__ = ["MAX_GRAPHS", "RECORDED_ONCE", "EagerGraphs", "GraphCache", "plan_key
 
 #: Graphs kept per layer. A decode loop uses one; a server that pads to a few token counts,
 #: with one stream per request queue, a handful. Each holds its static inputs, output and
-#: intermediate buffers for its token count (Qwen3.6 M = 1: 0.1 MB; DeepSeek-V3 M = 64: 11 MB).
+#: intermediate buffers for its token count (Qwen3.6 M = 1: 50 kB; DeepSeek-V3 M = 64: 11 MB).
 MAX_GRAPHS = 8
 
 #: What a graph reads when it is recorded and keeps until ``MoELayer.clear_cache``: environment
