@@ -29,10 +29,9 @@ import numpy as np
 from ._runtime.backend import require_cupy
 from ._runtime.device import device_name
 from ._runtime.timing import capture, median_event_us
-from .formats import random_fp4_gpu
 from .layer import MoELayer, record_graph
 from .layer.device import STAGES
-from .presets import LayerShape
+from .presets import LayerShape, random_layer_gpu
 from .routing import route_ref
 
 __all__ = [
@@ -150,24 +149,11 @@ def stack_depth(shape: LayerShape, *, max_weight_bytes: float = 48e9) -> int:
 
 def _random_layers(shape: LayerShape, n_layers: int, seed: int, max_tokens: int) -> list[MoELayer]:
     """Layers with random FP4 weights drawn on the GPU (no host quantization)."""
-
-    layers = []
-    e, h, i = shape.n_experts, shape.hidden, shape.intermediate
     rng = np.random.default_rng(seed)
-    for n in range(n_layers):
-        s = seed * 1000 + 10 * n
-        gate = random_fp4_gpu(e, i, h, shape.format, seed=s)
-        up = random_fp4_gpu(e, i, h, shape.format, seed=s + 1)
-        down = random_fp4_gpu(e, h, i, shape.format, seed=s + 2)
-        kw = shape.layer_kwargs()
-        kw["fc1_layout"] = None  # bytes and kernels are the same for every fc1 layout
-        if shape.biases:
-            kw["fc1_bias"] = rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1
-            kw["fc2_bias"] = rng.standard_normal((e, h)).astype(np.float32) * 0.1
-        if shape.routing == "sigmoid_grouped":
-            kw["correction_bias"] = rng.standard_normal(e).astype(np.float32) * 0.01
-        layers.append(MoELayer((gate, up), down, max_tokens=max_tokens, **kw))
-    return layers
+    return [
+        MoELayer(**random_layer_gpu(shape, rng, seed=seed * 1000 + 10 * n, max_tokens=max_tokens))
+        for n in range(n_layers)
+    ]
 
 
 def bench_preset(

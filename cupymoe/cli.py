@@ -27,9 +27,11 @@ from ._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ._version import __version__
 from .experts.config import ENV_GEMV_CONFIG
 from .experts.layouts import WeightLayout
-from .presets import PRESETS, LayerShape, random_layer
+from .presets import PRESETS, LayerShape, random_layer, random_layer_gpu
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+#: Tokens ``run`` checks against the float64 reference by default (``--check-tokens``).
+CHECK_TOKENS = 8
 
 _dtype_option = click.option(
     "--dtype", type=click.Choice(sorted(_DTYPES)), default="bf16", show_default=True
@@ -196,6 +198,13 @@ _preset_option = click.option(
     show_default=True,
     help="tensor naming of --checkpoint",
 )
+@click.option(
+    "--check-tokens",
+    type=click.IntRange(min=0),
+    default=CHECK_TOKENS,
+    show_default=True,
+    help="tokens (the first N; 0: all) checked against the float64 NumPy reference on a GPU",
+)
 def run(
     preset: str | None,
     hidden: int | None,
@@ -210,6 +219,7 @@ def run(
     checkpoint: str | None,
     layer_index: int,
     naming: str,
+    check_tokens: int,
 ) -> None:
     """Run one MoE layer on random (or loaded) weights; print the output, its error against the
     float64 reference (on a GPU) and timings."""
@@ -229,11 +239,16 @@ def run(
             preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, fmt=fmt
         )
         x, logits = _inputs(rng, tokens, shape, dtype)
-        # The NumPy backend reads only the experts the tokens select: draw only those.
-        _progress("drawing random weights" + ("" if on_gpu else " of the selected experts"))
+        # On a GPU the weights are drawn there (seconds for DeepSeek-V3, against minutes on the
+        # host); the NumPy backend reads only the experts the tokens select: draw only those.
+        _progress(
+            "drawing random weights " + ("on the GPU" if on_gpu else "of the selected experts")
+        )
     try:
-        if checkpoint is None:
-            kwargs = random_layer(shape, rng, only_for=None if on_gpu else logits)
+        if checkpoint is None and on_gpu:
+            kwargs = random_layer_gpu(shape, rng, seed=seed)
+        elif checkpoint is None:
+            kwargs = random_layer(shape, rng, only_for=logits)
         kwargs["max_tokens"] = max(tokens, 1)
         layer = MoELayer(**kwargs)
     except (ValueError, TypeError) as error:
@@ -243,7 +258,7 @@ def run(
     if checkpoint is not None:
         source = f"loaded in {made:.1f} s"
     elif on_gpu:
-        source = f"random, made in {made:.1f} s"
+        source = f"random, drawn on the GPU in {made:.1f} s"
     else:
         drawn = _selected_experts(layer, logits)
         source = (
@@ -258,14 +273,18 @@ def run(
         cupy = cupy_or_none()
         assert cupy is not None
         repeats = 5 if repeats is None else repeats
-        _progress("running the layer on the GPU (first use compiles its kernels)")
+        _progress(
+            "uploading the weights and running the layer on the GPU (the first use of a shape "
+            "compiles its kernels)"
+        )
         xd, ld = cupy.asarray(x), cupy.asarray(logits)
         out = layer(xd, ld)
         sync = cupy.cuda.get_current_stream().synchronize
         seconds = _median_time(lambda: layer(xd, ld), repeats, sync)
         out_host = out.get()
         click.echo(f"backend GPU ({device_name()})")
-        click.echo(f"time    {seconds * 1e6:.1f} us per eager call (median of {repeats})")
+        click.echo(f"time    {seconds * 1e6:.1f} us per eager call + sync (median of {repeats})")
+        _progress("timing each stage (one CUDA graph per stage)")
         for stage, us in layer.stage_times(xd, ld).items():
             click.echo(f"  {stage:<10} {us:8.2f} us")
     else:
@@ -285,10 +304,17 @@ def run(
             f"output  [{tokens}, {shape.hidden}] mean {flat.mean():+.4f} std {flat.std():.4f} "
             f"max|.| {np.abs(flat).max():.4f}"
         )
-    if on_gpu:
-        _progress("computing the float64 reference")
-        max_rel, rms_rel = relative_errors(moe_reference(x, logits, layer), out_host)
-        click.echo(f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference)")
+    if on_gpu and tokens:
+        # The NumPy reference decodes every expert a token selects in float64: the first
+        # --check-tokens tokens bound its cost (DeepSeek-V3, 8 tokens: up to 64 experts).
+        checked = tokens if check_tokens == 0 else min(tokens, check_tokens)
+        _progress(f"computing the float64 reference of {checked} of {tokens} tokens")
+        ref = moe_reference(x[:checked], logits[:checked], layer)
+        max_rel, rms_rel = relative_errors(ref, out_host[:checked])
+        click.echo(
+            f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference, "
+            f"{checked} of {tokens} tokens)"
+        )
     else:
         click.echo(
             f"error   none measured: on the NumPy backend the output is the float64 reference "

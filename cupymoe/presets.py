@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .formats import Fp4Experts, Fp4Format, decode_e4m3
+from .formats import Fp4Experts, Fp4Format, decode_e4m3, random_fp4_gpu
 from .routing import Router, RoutingMethod, route_ref
 
-__all__ = ["PRESETS", "LayerShape", "random_fp4_experts", "random_layer"]
+__all__ = ["PRESETS", "LayerShape", "random_fp4_experts", "random_layer", "random_layer_gpu"]
 
 #: RMS of a uniformly random E2M1 code: sqrt(mean(v^2 over the 16 codes)) = sqrt(68.5 / 8).
 _E2M1_RMS = float(np.sqrt(68.5 / 8))
@@ -191,5 +191,32 @@ def random_layer(
     else:
         kw["fc1"] = random_fp4_experts(rng, e, 2 * i, h, fmt, experts=experts)
     kw["fc2"] = random_fp4_experts(rng, e, h, i, fmt, experts=experts)
+    kw["max_tokens"] = max_tokens
+    return kw
+
+
+def random_layer_gpu(
+    shape: LayerShape, rng: np.random.Generator, *, seed: int = 0, max_tokens: int = 64
+) -> dict[str, Any]:
+    """``MoELayer`` keyword arguments with random FP4 weights drawn on the GPU
+    (:func:`~cupymoe.formats.random_fp4_gpu`, seeds ``seed`` to ``seed + 2``: no host work per
+    element, a DeepSeek-V3 layer in seconds); biases and the router bias come from ``rng``.
+
+    FC1 is a ``(gate, up)`` pair whatever ``shape.fc1_layout`` says: the kernels and the bytes
+    they read are the same for every layout. The weights' statistics are those of
+    ``random_fp4_gpu``, not the unit-variance ones of :func:`random_layer`.
+    """
+    e, h, i = shape.n_experts, shape.hidden, shape.intermediate
+    kw = shape.layer_kwargs()
+    kw["fc1_layout"] = None
+    if shape.biases:
+        kw["fc1_bias"] = rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1
+        kw["fc2_bias"] = rng.standard_normal((e, h)).astype(np.float32) * 0.1
+    if shape.routing == "sigmoid_grouped":
+        kw["correction_bias"] = rng.standard_normal(e).astype(np.float32) * 0.01
+    gate = random_fp4_gpu(e, i, h, shape.format, seed=seed)
+    up = random_fp4_gpu(e, i, h, shape.format, seed=seed + 1)
+    kw["fc1"] = (gate, up)
+    kw["fc2"] = random_fp4_gpu(e, h, i, shape.format, seed=seed + 2)
     kw["max_tokens"] = max_tokens
     return kw

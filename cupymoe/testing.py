@@ -16,20 +16,24 @@ text and the offline NVRTC compile are re-exported here: ``kernel_source``, ``al
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from ._runtime.backend import to_numpy
+from ._runtime.backend import require_cupy, to_numpy
 from ._runtime.compile import all_kernel_specs, kernel_source
 from ._runtime.offline import compile_offline, nvrtc_module, offline_options
 
 __all__ = [
     "TOLERANCES",
+    "AllocationCounter",
     "all_kernel_specs",
     "assert_close",
     "assert_equal",
     "compile_offline",
+    "count_allocations",
     "kernel_source",
     "nvrtc_module",
     "offline_options",
@@ -118,3 +122,37 @@ def assert_equal(ref: Any, out: Any, *, name: str = "output") -> None:
             f"{name}: {int((r != o).sum())} of {r.size} elements differ, first:\n"
             + "\n".join(lines)
         )
+
+
+class AllocationCounter:
+    """A CuPy allocator that counts the device allocations it passes on to ``inner``.
+
+    Every ``cupy.empty``, ``cupy.zeros``, ``astype`` and temporary of an elementwise kernel asks
+    the current allocator for memory, whether or not the pool then has a free block: the count is
+    of allocations requested, which a loop without allocations keeps at zero.
+    """
+
+    def __init__(self, inner: Callable[[int], Any]) -> None:
+        self.inner = inner
+        self.count = 0
+        self.bytes = 0
+
+    def __call__(self, size: int) -> Any:
+        self.count += 1
+        self.bytes += int(size)
+        return self.inner(size)
+
+
+@contextlib.contextmanager
+def count_allocations() -> Iterator[AllocationCounter]:
+    """Count the device allocations of this thread inside the ``with`` block (through
+    ``cupy.cuda.using_allocator``, the memory pool still serving them)::
+
+        with count_allocations() as counter:
+            layer(x, logits, out=out)
+        assert counter.count == 0
+    """
+    cupy = require_cupy()
+    counter = AllocationCounter(cupy.cuda.get_allocator())
+    with cupy.cuda.using_allocator(counter):
+        yield counter

@@ -3,7 +3,9 @@
 
 Weights are uploaded and re-laid out once. Workspaces (routing maps, FC1 and FC2 outputs) are
 allocated for ``max_tokens`` once per activation dtype, so an eager call allocates only its
-output and a graph replay allocates nothing.
+output and a graph replay allocates nothing. A graph may instead get a workspace of its own,
+sized for its token count (:meth:`DeviceLayer.workspace` with ``n_tokens``), so that it shares no
+buffer with eager calls or with the graphs of other streams.
 """
 
 from __future__ import annotations
@@ -52,34 +54,41 @@ class DeviceLayer:
         )
         self.fc2_weights = prepare_fc2(layer.down, bias=layer.fc2_bias, layout=layer.weight_layout)
         self._workspaces: dict[np.dtype, _Workspace] = {}
+        self._capturable: dict[np.dtype, bool] = {}
 
-    def workspace(self, dtype: Any) -> _Workspace:
-        """Buffers for ``max_tokens`` tokens of activation ``dtype`` (allocated once)."""
+    def workspace(self, dtype: Any, n_tokens: int | None = None) -> _Workspace:
+        """Buffers for ``max_tokens`` tokens of activation ``dtype`` (allocated once, shared by
+        every eager call), or with ``n_tokens`` new buffers for that many tokens (not kept)."""
         dtype = np.dtype(dtype)
-        ws = self._workspaces.get(dtype)
+        ws = self._workspaces.get(dtype) if n_tokens is None else None
         if ws is None:
             cupy = require_cupy()
             layer = self.layer
-            rows = layer.max_tokens * layer.top_k
+            tokens = layer.max_tokens if n_tokens is None else n_tokens
+            rows = tokens * layer.top_k
             ws = _Workspace(
-                routing=Routing.empty(layer.max_tokens, layer.n_experts, layer.top_k, xp=cupy),
+                routing=Routing.empty(tokens, layer.n_experts, layer.top_k, xp=cupy),
                 h=cupy.empty((rows, layer.intermediate), dtype),
                 y=cupy.empty((rows, layer.hidden), dtype),
             )
-            self._workspaces[dtype] = ws
+            if n_tokens is None:
+                self._workspaces[dtype] = ws
         return ws
 
-    def stage_calls(self, x: Any, logits: Any, out: Any) -> list[Stage]:
+    def stage_calls(
+        self, x: Any, logits: Any, out: Any, *, workspace: _Workspace | None = None
+    ) -> list[Stage]:
         """The plan of one call on fixed buffers: its stages in order, as ``(name, call)``.
 
         Eager calls run the list, graphs record it and ``stage_times`` times each entry. The plan
         is a list so that stages can be inserted: expert parallelism adds its exchanges (tokens
         to the experts' devices after ``route``, results back before ``finalize``) here.
+        ``workspace`` (from :meth:`workspace`, at least ``M`` tokens) replaces the shared one.
         """
         layer = self.layer
         m = int(x.shape[0])
         rows = m * layer.top_k
-        ws = self.workspace(x.dtype)
+        ws = self.workspace(x.dtype) if workspace is None else workspace
         routing = ws.routing.prefix(m)
         h, y = ws.h[:rows], ws.y[:rows]
         # Programmatic dependent launches (cupymoe/_runtime/launch.py): each stage starts while the
@@ -110,7 +119,12 @@ class DeviceLayer:
         """Whether calls with ``dtype`` activations can be recorded in a CUDA graph (at every
         token count): unless MXFP4 scales need the batched fallback."""
         dtype = np.dtype(dtype)
-        return all(capturable(scale_shift(w, dtype)) for w in (self.fc1_weights, self.fc2_weights))
+        known = self._capturable.get(dtype)
+        if known is None:  # fixed by the weights: computed once per dtype
+            weights = (self.fc1_weights, self.fc2_weights)
+            known = all(capturable(scale_shift(w, dtype)) for w in weights)
+            self._capturable[dtype] = known
+        return known
 
     @property
     def resident_bytes(self) -> int:

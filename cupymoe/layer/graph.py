@@ -27,10 +27,19 @@ class LayerGraph:
     """
 
     def __init__(
-        self, graph: Any, stream: Any, x: Any, logits: list[Any], out: Any, keep: Any
+        self,
+        graph: Any,
+        stream: Any,
+        x: Any,
+        logits: list[Any],
+        out: Any,
+        keep: Any,
+        workspaces: Sequence[Any] = (),
     ) -> None:
         self._graph = graph
         self._keep = keep  # every buffer the graph's kernels address must outlive it
+        #: Per layer, the graph's own intermediate buffers (``own_workspace``) or ``None``.
+        self.workspaces = list(workspaces)
         self.stream = stream
         self.x = x
         self.logits = logits
@@ -40,6 +49,11 @@ class LayerGraph:
         """Launch the recorded graph on its stream (asynchronous); returns :attr:`out`."""
         self._graph.launch(self.stream)
         return self.out
+
+    def launch(self, stream: Any) -> None:
+        """Launch the recorded graph on ``stream`` (asynchronous), ordered after what that stream
+        already holds: the caller writes the inputs and reads :attr:`out` on the same stream."""
+        self._graph.launch(stream)
 
 
 def record_graph(
@@ -51,6 +65,7 @@ def record_graph(
     chain: bool = True,
     stages: Sequence[str] = STAGES,
     inputs: tuple[Any, Sequence[Any]] | None = None,
+    own_workspace: bool = False,
 ) -> LayerGraph:
     """Record ``layers`` (``MoELayer`` objects, applied in sequence) into one CUDA graph.
 
@@ -58,7 +73,10 @@ def record_graph(
     ``hidden``. With ``chain`` layer ``i + 1`` reads layer ``i``'s output (a decode step);
     without it every layer reads :attr:`LayerGraph.x`. ``stages`` restricts the recording to
     some stages (all run once, eagerly, before capture), for per-stage timing; ``inputs``
-    ``(x, [logits per layer])`` fills the static buffers before that warm-up. Every token count
+    ``(x, [logits per layer])`` fills the static buffers before that warm-up. ``own_workspace``:
+    each layer's intermediate buffers (routing maps, FC1 and FC2 outputs) are the graph's own,
+    sized for ``n_tokens``, instead of the layer's shared ones, so that replays never race with
+    eager calls or with other graphs of the same layer on other streams. Every token count
     up to ``max_tokens`` can be recorded; ``ValueError`` for MXFP4 layers whose block scales need
     the batched fallback with ``dtype`` (it reads expert counts on the host).
     """
@@ -75,8 +93,8 @@ def record_graph(
     if dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"dtype: expected bfloat16 or float16, got {dtype}")
     logits_dtype = np.dtype(logits_dtype)
-    if logits_dtype not in (np.dtype(np.float32), np.dtype(np.float16), dtype):
-        raise TypeError(f"logits_dtype: expected float32, float16 or {dtype}, got {logits_dtype}")
+    if logits_dtype not in (np.dtype(np.float32), *ACTIVATION_DTYPES):  # what routing reads
+        raise TypeError(f"logits_dtype: expected float32, bfloat16 or float16, got {logits_dtype}")
     devices = [layer.device_layer() for layer in layers]
     for i, dev in enumerate(devices):
         if not dev.capturable(dtype):
@@ -90,6 +108,7 @@ def record_graph(
         x = cupy.zeros((n_tokens, hidden), dtype)
         logits = [cupy.zeros((n_tokens, layer.n_experts), logits_dtype) for layer in layers]
         outs = [cupy.zeros((n_tokens, hidden), dtype) for _ in layers]
+        workspaces = [dev.workspace(dtype, n_tokens) if own_workspace else None for dev in devices]
         if inputs is not None:
             x[...] = inputs[0]
             for buf, value in zip(logits, inputs[1], strict=True):
@@ -99,8 +118,8 @@ def record_graph(
         raise ValueError(f"stages: expected names from {STAGES}, got {sorted(unknown)}")
     calls = []
     inp = x
-    for dev, lg, out in zip(devices, logits, outs, strict=True):
-        calls += dev.stage_calls(inp, lg, out)
+    for dev, lg, out, ws in zip(devices, logits, outs, workspaces, strict=True):
+        calls += dev.stage_calls(inp, lg, out, workspace=ws)
         inp = out if chain else x
     with stream:
         for _, call in calls:  # warm-up: compiles kernels, copies router biases, fills caches
@@ -115,7 +134,9 @@ def record_graph(
             graph = stream.end_capture()
     graph.upload(stream)
     stream.synchronize()
-    return LayerGraph(graph, stream, x, logits, outs[-1], keep=(outs, devices))
+    return LayerGraph(
+        graph, stream, x, logits, outs[-1], keep=(outs, devices), workspaces=workspaces
+    )
 
 
 def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> dict[str, float]:

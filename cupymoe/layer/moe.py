@@ -23,6 +23,7 @@ from ..experts.reference import fc1_ref, fc2_ref
 from ..formats import Fp4Experts
 from ..routing import Router, RoutingMethod, route_ref
 from .device import DeviceLayer
+from .eager import EagerGraphs
 from .expand import expand_ref
 from .finalize import finalize_ref
 from .graph import LayerGraph, record_graph, time_stages
@@ -186,6 +187,7 @@ class MoELayer:
         self.max_tokens = int(max_tokens)
         self.weight_layout = WeightLayout.parse(weight_layout, "weight_layout")  # before any upload
         self._gpu: DeviceLayer | None = None  # built on first GPU use (device_layer)
+        self._graphs: EagerGraphs | None = None  # eager calls' CUDA graphs, built on first call
         self._warned_reference = False
 
     # ---- shapes ------------------------------------------------------------------------------
@@ -220,30 +222,33 @@ class MoELayer:
 
     # ---- validation --------------------------------------------------------------------------
     def check_inputs(self, x: Any, router_logits: Any) -> int:
-        """Validate ``x [M, H]`` and ``router_logits [M, E]``; return ``M``."""
+        """Validate ``x [M, H]`` and ``router_logits [M, E]``; return ``M``.
+
+        Attribute comparisons only (a few µs): every eager call runs it before anything else."""
+        on_device = is_cupy_array(x)
         for name, a in (("x", x), ("router_logits", router_logits)):
             if not (isinstance(a, np.ndarray) or is_cupy_array(a)):
                 raise TypeError(
                     f"{name}: expected a numpy.ndarray or cupy.ndarray, got {type(a).__name__}"
                 )
-        if is_cupy_array(x) != is_cupy_array(router_logits):
+        if on_device != is_cupy_array(router_logits):
             raise TypeError("x and router_logits: expected both NumPy or both CuPy arrays")
         if x.ndim != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected shape (n_tokens, {self.hidden}), got {tuple(x.shape)}")
-        if np.dtype(x.dtype) not in ACTIVATION_DTYPES:
+        if x.dtype not in ACTIVATION_DTYPES:  # a NumPy dtype for NumPy and CuPy arrays alike
             raise TypeError(f"x: expected dtype bfloat16 or float16, got {x.dtype}")
-        m = int(x.shape[0])
+        m = x.shape[0]
         if router_logits.ndim != 2 or tuple(router_logits.shape) != (m, self.n_experts):
             raise ValueError(
                 f"router_logits: expected shape ({m}, {self.n_experts}), "
                 f"got {tuple(router_logits.shape)}"
             )
-        if np.dtype(router_logits.dtype) not in _LOGIT_DTYPES:
+        if router_logits.dtype not in _LOGIT_DTYPES:
             raise TypeError(
                 f"router_logits: expected dtype bfloat16, float16, float32 or float64, "
                 f"got {router_logits.dtype}"
             )
-        if is_cupy_array(x) and m > 0:  # the kernels read rows in place: check before any launch
+        if on_device and m > 0:  # the kernels read rows in place: check before any launch
             if not x.flags.c_contiguous:
                 raise ValueError(
                     "x: expected a C-contiguous cupy.ndarray (use cupy.ascontiguousarray)"
@@ -262,12 +267,22 @@ class MoELayer:
         return m
 
     # ---- running -----------------------------------------------------------------------------
-    def __call__(self, x: Any, router_logits: Any, *, out: Any = None) -> Any:
+    def __call__(self, x: Any, router_logits: Any, *, out: Any = None, replay: bool = True) -> Any:
         """Run the layer: ``x [M, H]`` (bf16/fp16), ``router_logits [M, E]`` -> ``[M, H]``.
 
         ``x`` and ``router_logits`` are NumPy arrays (result: NumPy), CuPy arrays (result: CuPy,
         no copies) or GPU tensors of another framework that speaks DLPack, such as torch or JAX
-        (zero-copy in and out; the result is a tensor of that framework).
+        (zero-copy in and out; the result is a tensor of that framework). ``out``: the result's
+        array (NumPy or CuPy like ``x``); with CuPy arrays a loop of calls with ``out`` allocates
+        no device memory.
+
+        On the GPU a call replays a CUDA graph of the layer recorded on the first call with this
+        token count, dtypes and current stream (:mod:`cupymoe.layer.eager`; at most
+        :data:`~cupymoe.layer.eager.MAX_GRAPHS` are kept): the inputs are copied into the
+        graph's buffers, the graph runs on the current stream, the output is copied into ``out``
+        or a new array. ``replay=False`` launches the stages one by one instead (the path a graph
+        records; bitwise the same result). Calls on a stream that is being captured, and MXFP4
+        layers whose fp16 calls need the batched fallback, always launch the stages.
         """
         framework = _dlpack_framework(x)
         if framework is not None:
@@ -276,6 +291,7 @@ class MoELayer:
                 cupy.from_dlpack(x),
                 cupy.from_dlpack(router_logits),
                 out=None if out is None else cupy.from_dlpack(out),
+                replay=replay,
             )
             return out if out is not None else framework.from_dlpack(result)
         m = self.check_inputs(x, router_logits)
@@ -294,15 +310,23 @@ class MoELayer:
                 out[...] = result
                 return out
             return result
+        if out is not None:  # before anything runs
+            _check_out(out, (m, self.hidden), x.dtype, device=on_device)
+        ld = router_logits
+        if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
+            ld = ld.astype(np.float32)
+        if replay and m > 0:
+            graphs = self._graphs
+            if graphs is None:
+                graphs = self._graphs = EagerGraphs(self)
+            result = graphs.call_device(x, ld, out) if on_device else graphs.call_host(x, ld, out)
+            if result is not None:
+                return result
         cupy = require_cupy()
         # NumPy inputs of any layout are uploaded C-contiguous (CuPy would keep F order);
         # CuPy inputs are used in place (check_inputs has checked their layout).
         xd = x if on_device else cupy.asarray(np.ascontiguousarray(x))
-        ld = router_logits if on_device else cupy.asarray(np.ascontiguousarray(router_logits))
-        if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
-            ld = ld.astype(np.float32)
-        if out is not None:
-            _check_out(out, (m, self.hidden), x.dtype, device=on_device)
+        ld = ld if on_device else cupy.asarray(np.ascontiguousarray(ld))
         result = self.device_layer().run(xd, ld, out=out if on_device else None)
         if on_device:
             return result
@@ -311,6 +335,13 @@ class MoELayer:
             out[...] = host
             return out
         return host
+
+    def clear_cache(self) -> None:
+        """Forget the CUDA graphs recorded for eager calls; the next call of each token count
+        records again, with the tilings the tuning cache and ``CUPYMOE_GEMV_CONFIG`` give then
+        (the variable alone is also honoured without this: it is part of each graph's key)."""
+        if self._graphs is not None:
+            self._graphs.clear()
 
     def graph(self, n_tokens: int, *, dtype: Any = ml_dtypes.bfloat16) -> LayerGraph:
         """Record this layer into a CUDA graph with static buffers for ``n_tokens`` tokens.
