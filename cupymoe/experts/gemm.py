@@ -39,6 +39,7 @@ __all__ = [
     "GemmConfig",
     "default_config",
     "gemm_fc1",
+    "gemm_fc1_single",
     "gemm_fc2",
     "kernel_specs",
     "row_tiles",
@@ -280,6 +281,7 @@ def gemm_fc1(
             np.int32(top_k),
             np.int32(shift),
             np.float32(act.alpha),
+            np.float32(act.beta),
             np.float32(act.limit),
         ),
         shared_mem=smem,
@@ -302,33 +304,72 @@ def gemm_fc2(
     :func:`.dispatch.fc2`; ``weights`` a :class:`.gemv.PreparedFc2` in the SPLIT layout).
     Returns ``y [rows, hidden]`` in expanded order, dtype of ``h``. A programmatic dependent
     launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1)."""
+    return _gemm_single(h, weights, routing, int(h.shape[0]), None, 1, shift, out, config, pdl)
+
+
+def gemm_fc1_single(
+    x: Any,
+    weights: PreparedFc2,
+    routing: Routing,
+    *,
+    act: ActivationSpec,
+    top_k: int,
+    shift: int,
+    out: Any = None,
+    config: GemmConfig | None = None,
+    pdl: bool = False,
+) -> Any:
+    """FC1 with a non-gated activation as a grouped GEMM: ``h[r] = act(x[t] W[e]^T + b[e])``
+    (``weights`` the one ``[E, I, H]`` matrix, prepared like FC2; ``x`` in token order, read
+    through ``routing.sorted_rows``). Returns ``h [rows, intermediate]``, dtype of ``x``."""
+    rows = int(x.shape[0]) * top_k
+    return _gemm_single(x, weights, routing, rows, act, top_k, shift, out, config, pdl)
+
+
+def _gemm_single(
+    x: Any,
+    weights: PreparedFc2,
+    routing: Routing,
+    rows: int,
+    act: ActivationSpec | None,
+    top_k: int,
+    shift: int,
+    out: Any,
+    config: GemmConfig | None,
+    pdl: bool,
+) -> Any:
+    """One matrix per expert: FC2 (``act`` None, ``x`` in expanded order) or non-gated FC1."""
     w = weights.down
     if weights.layout is not WeightLayout.SPLIT:
         raise ValueError(f"weights: the grouped GEMM reads the split layout, got {weights.layout}")
-    dtype = np.dtype(h.dtype)
-    rows = int(h.shape[0])
+    dtype = np.dtype(x.dtype)
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
-    spec = KernelSpec(
-        "gemm_fp4",
-        "gemm_fc2",
-        (w.format.code, CTYPE[dtype], weights.bias is not None, *cfg.key),
-    )
+    head = (w.format.code, CTYPE[dtype])
+    bias = weights.bias is not None
+    arrays = fc2_arrays(x, weights, routing, out)
+    if act is None:
+        spec = KernelSpec("gemm_fp4", "gemm_fc2", (*head, bias, *cfg.key))
+    else:
+        spec = KernelSpec("gemm_fp4", "gemm_fc1_single", (*head, act.kind.code, bias, *cfg.key))
+        arrays = (x, routing.sorted_rows, *arrays[1:])
     col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
     slots, smem, grid = _plan(spec, cfg, w.format.code, routing, rows, col_blocks)
+    tail = (np.int32(top_k),) if act is not None else ()
     launch(
         spec,
         grid,
         cfg.threads,
         (
-            *fc2_arrays(h, weights, routing, out),
+            *arrays,
             np.int32(w.n_experts),
             np.int32(slots),
             np.int32(w.n),
             np.int32(w.k),
             np.int32(chunk_count(w.k)),
+            *tail,
             np.int32(shift),
         ),
         shared_mem=smem,
@@ -338,8 +379,9 @@ def gemm_fc2(
 
 
 def kernel_specs() -> list[KernelSpec]:
-    """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc2` can select: 2 formats x 2 dtypes
-    x 2 (bias) x len(GEMM_TILINGS) x (FC2 + 3 FC1 activations)."""
+    """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc1_single` / :func:`gemm_fc2` can
+    select: 2 formats x 2 dtypes x 2 (bias) x len(GEMM_TILINGS) x (FC2 + 3 gated and 4
+    non-gated FC1 activations)."""
     specs = []
     for fmt in Fp4Format:
         for dtype in ACTIVATION_DTYPES:
@@ -348,7 +390,11 @@ def kernel_specs() -> list[KernelSpec]:
                     head = (fmt.code, CTYPE[np.dtype(dtype)])
                     specs.append(KernelSpec("gemm_fp4", "gemm_fc2", (*head, bias, *tiling)))
                     specs += [
-                        KernelSpec("gemm_fp4", "gemm_fc1", (*head, act.code, bias, *tiling))
+                        KernelSpec(
+                            "gemm_fp4",
+                            "gemm_fc1" if act.gated else "gemm_fc1_single",
+                            (*head, act.code, bias, *tiling),
+                        )
                         for act in Activation
                     ]
     return specs
