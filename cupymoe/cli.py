@@ -25,9 +25,11 @@ from ._runtime.compile import ENV_LINEINFO
 from ._runtime.device import device_name
 from ._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ._version import __version__
+from .experts.activation import Activation
 from .experts.config import ENV_GEMV_CONFIG
 from .experts.layouts import WeightLayout
 from .presets import PRESETS, LayerShape, random_layer
+from .routing import RoutingMethod
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
@@ -110,7 +112,12 @@ def _shape_from_options(preset: str | None, **options: Any) -> LayerShape:
 
 
 def _checkpoint_layer(
-    path: str, layer: int, naming: str, preset: str | None, top_k: int | None
+    path: str,
+    layer: int,
+    naming: str,
+    preset: str | None,
+    top_k: int | None,
+    overrides: dict[str, Any],
 ) -> tuple[LayerShape, dict[str, Any]]:
     """Weights from a checkpoint; routing and activation from ``--preset`` (weights lack them)."""
     import dataclasses
@@ -131,6 +138,7 @@ def _checkpoint_layer(
         n_experts=down.n_experts,
         format=down.format.value,
         top_k=top_k if top_k is not None else min(base.top_k, down.n_experts),
+        **overrides,
     )
     kwargs = {**shape.layer_kwargs(), **weights}
     if shape.routing == "sigmoid_grouped":
@@ -177,6 +185,23 @@ _preset_option = click.option(
     help="timed calls  [default: 5 on a GPU, 1 on the NumPy backend]",
 )
 @click.option(
+    "--routing",
+    type=click.Choice([m.value for m in RoutingMethod]),
+    help="router kind  [default: the preset's, else softmax_topk]",
+)
+@click.option(
+    "--router-weights",
+    is_flag=True,
+    help="separate random mixing weights (ONNX Runtime's router_weights): top-k on the logits, "
+    "weights gathered from these",
+)
+@click.option(
+    "--activation",
+    type=click.Choice([a.value for a in Activation]),
+    help="FC1 activation; relu/gelu/silu/identity are non-gated (FC1 [E, I, H])  "
+    "[default: the preset's, else swiglu]",
+)
+@click.option(
     "--checkpoint",
     type=click.Path(exists=True),
     help="safetensors file, index or directory (ModelOpt NVFP4 / gpt-oss MXFP4 naming)",
@@ -207,12 +232,17 @@ def run(
     dtype: str,
     seed: int,
     repeats: int | None,
+    routing: str | None,
+    router_weights: bool,
+    activation: str | None,
     checkpoint: str | None,
     layer_index: int,
     naming: str,
 ) -> None:
     """Run one MoE layer on random (or loaded) weights; print the output, its error against the
     float64 reference (on a GPU) and timings."""
+    import dataclasses
+
     from .layer import MoELayer, moe_reference
     from .testing import relative_errors
 
@@ -222,12 +252,15 @@ def run(
     t0 = time.perf_counter()
     if checkpoint is not None:
         _progress(f"loading layer {layer_index} of {checkpoint}")
-        shape, kwargs = _checkpoint_layer(checkpoint, layer_index, naming, preset, top_k)
+        shape, kwargs = _checkpoint_layer(
+            checkpoint, layer_index, naming, preset, top_k, _layer_overrides(routing, activation)
+        )
         x, logits = _inputs(rng, tokens, shape, dtype)
     else:
         shape = _shape_from_options(
             preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, fmt=fmt
         )
+        shape = dataclasses.replace(shape, **_layer_overrides(routing, activation))
         x, logits = _inputs(rng, tokens, shape, dtype)
         # The NumPy backend reads only the experts the tokens select: draw only those.
         _progress("drawing random weights" + ("" if on_gpu else " of the selected experts"))
@@ -254,15 +287,21 @@ def run(
         f"weights {layer.weight_nbytes / 2**20:.1f} MiB ({source}); "
         f"x [{tokens}, {shape.hidden}] {dtype}"
     )
+    mix = rng.random(logits.shape).astype(np.float32) if router_weights else None
+    try:
+        layer.check_router_weights(mix, logits)
+    except (ValueError, TypeError) as error:
+        raise click.ClickException(f"--router-weights: {error}") from error
     if on_gpu:
         cupy = cupy_or_none()
         assert cupy is not None
         repeats = 5 if repeats is None else repeats
         _progress("running the layer on the GPU (first use compiles its kernels)")
         xd, ld = cupy.asarray(x), cupy.asarray(logits)
-        out = layer(xd, ld)
+        md = None if mix is None else cupy.asarray(mix)
+        out = layer(xd, ld, router_weights=md)
         sync = cupy.cuda.get_current_stream().synchronize
-        seconds = _median_time(lambda: layer(xd, ld), repeats, sync)
+        seconds = _median_time(lambda: layer(xd, ld, router_weights=md), repeats, sync)
         out_host = out.get()
         click.echo(f"backend GPU ({device_name()})")
         click.echo(f"time    {seconds * 1e6:.1f} us per eager call (median of {repeats})")
@@ -274,10 +313,12 @@ def run(
         with warnings.catch_warnings():  # the line above already says it
             warnings.simplefilter("ignore", RuntimeWarning)
             start = time.perf_counter()
-            out_host = layer(x, logits)
+            out_host = layer(x, logits, router_weights=mix)
             seconds = time.perf_counter() - start
             if repeats is not None and repeats > 1:
-                seconds = _median_time(lambda: layer(x, logits), repeats, lambda: None)
+                seconds = _median_time(
+                    lambda: layer(x, logits, router_weights=mix), repeats, lambda: None
+                )
         click.echo(f"time    {seconds * 1e3:.1f} ms per call (median of {repeats or 1})")
     flat = out_host.astype(np.float64)
     if flat.size:
@@ -287,13 +328,27 @@ def run(
         )
     if on_gpu:
         _progress("computing the float64 reference")
-        max_rel, rms_rel = relative_errors(moe_reference(x, logits, layer), out_host)
+        ref = moe_reference(x, logits, layer, router_weights=mix)
+        max_rel, rms_rel = relative_errors(ref, out_host)
         click.echo(f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference)")
     else:
         click.echo(
             f"error   none measured: on the NumPy backend the output is the float64 reference "
             f"itself, rounded to {dtype}"
         )
+
+
+def _layer_overrides(routing: str | None, activation: str | None) -> dict[str, Any]:
+    """``--routing`` / ``--activation`` as LayerShape fields (those given); a checkpoint's FC1 is
+    gated, so a non-gated ``--activation`` needs random weights."""
+    changes: dict[str, Any] = {}
+    if routing is not None:
+        changes["routing"] = routing
+    if activation is not None:
+        changes["activation"] = activation
+        if not Activation.parse(activation).gated:
+            changes["fc1_layout"] = None
+    return changes
 
 
 def _inputs(
