@@ -21,13 +21,16 @@ import ml_dtypes
 import numpy as np
 
 from ._runtime.backend import cupy_or_none, gpu_available
-from ._runtime.compile import ENV_LINEINFO
+from ._runtime.compile import ENV_KERNEL_CACHE, ENV_LINEINFO, kernel_cache_dir
 from ._runtime.device import device_name
 from ._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ._version import __version__
+from .experts.activation import Activation
 from .experts.config import ENV_GEMV_CONFIG
+from .experts.gemm import ENV_WGMMA
 from .experts.layouts import WeightLayout
 from .presets import PRESETS, LayerShape, random_layer, random_layer_gpu
+from .routing import RoutingMethod
 
 _DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 #: Tokens ``run`` checks against the float64 reference by default (``--check-tokens``).
@@ -112,7 +115,12 @@ def _shape_from_options(preset: str | None, **options: Any) -> LayerShape:
 
 
 def _checkpoint_layer(
-    path: str, layer: int, naming: str, preset: str | None, top_k: int | None
+    path: str,
+    layer: int,
+    naming: str,
+    preset: str | None,
+    top_k: int | None,
+    overrides: dict[str, Any],
 ) -> tuple[LayerShape, dict[str, Any]]:
     """Weights from a checkpoint; routing and activation from ``--preset`` (weights lack them)."""
     import dataclasses
@@ -133,6 +141,7 @@ def _checkpoint_layer(
         n_experts=down.n_experts,
         format=down.format.value,
         top_k=top_k if top_k is not None else min(base.top_k, down.n_experts),
+        **overrides,
     )
     kwargs = {**shape.layer_kwargs(), **weights}
     if shape.routing == "sigmoid_grouped":
@@ -179,6 +188,23 @@ _preset_option = click.option(
     help="timed calls  [default: 5 on a GPU, 1 on the NumPy backend]",
 )
 @click.option(
+    "--routing",
+    type=click.Choice([m.value for m in RoutingMethod]),
+    help="router kind  [default: the preset's, else softmax_topk]",
+)
+@click.option(
+    "--router-weights",
+    is_flag=True,
+    help="separate random mixing weights (ONNX Runtime's router_weights): top-k on the logits, "
+    "weights gathered from these",
+)
+@click.option(
+    "--activation",
+    type=click.Choice([a.value for a in Activation]),
+    help="FC1 activation; relu/gelu/silu/identity are non-gated (FC1 [E, I, H])  "
+    "[default: the preset's, else swiglu]",
+)
+@click.option(
     "--checkpoint",
     type=click.Path(exists=True),
     help="safetensors file, index or directory (ModelOpt NVFP4 / gpt-oss MXFP4 naming)",
@@ -216,6 +242,9 @@ def run(
     dtype: str,
     seed: int,
     repeats: int | None,
+    routing: str | None,
+    router_weights: bool,
+    activation: str | None,
     checkpoint: str | None,
     layer_index: int,
     naming: str,
@@ -223,6 +252,8 @@ def run(
 ) -> None:
     """Run one MoE layer on random (or loaded) weights; print the output, its error against the
     float64 reference (on a GPU) and timings."""
+    import dataclasses
+
     from .layer import MoELayer, moe_reference
     from .testing import relative_errors
 
@@ -232,12 +263,15 @@ def run(
     t0 = time.perf_counter()
     if checkpoint is not None:
         _progress(f"loading layer {layer_index} of {checkpoint}")
-        shape, kwargs = _checkpoint_layer(checkpoint, layer_index, naming, preset, top_k)
+        shape, kwargs = _checkpoint_layer(
+            checkpoint, layer_index, naming, preset, top_k, _layer_overrides(routing, activation)
+        )
         x, logits = _inputs(rng, tokens, shape, dtype)
     else:
         shape = _shape_from_options(
             preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k, fmt=fmt
         )
+        shape = dataclasses.replace(shape, **_layer_overrides(routing, activation))
         x, logits = _inputs(rng, tokens, shape, dtype)
         # On a GPU the weights are drawn there (seconds for DeepSeek-V3, against minutes on the
         # host); the NumPy backend reads only the experts the tokens select: draw only those.
@@ -269,6 +303,11 @@ def run(
         f"weights {layer.weight_nbytes / 2**20:.1f} MiB ({source}); "
         f"x [{tokens}, {shape.hidden}] {dtype}"
     )
+    mix = rng.random(logits.shape).astype(np.float32) if router_weights else None
+    try:
+        layer.check_router_weights(mix, logits)
+    except (ValueError, TypeError) as error:
+        raise click.ClickException(f"--router-weights: {error}") from error
     if on_gpu:
         cupy = cupy_or_none()
         assert cupy is not None
@@ -278,9 +317,10 @@ def run(
             "compiles its kernels)"
         )
         xd, ld = cupy.asarray(x), cupy.asarray(logits)
-        out = layer(xd, ld)
+        md = None if mix is None else cupy.asarray(mix)
+        out = layer(xd, ld, router_weights=md)
         sync = cupy.cuda.get_current_stream().synchronize
-        seconds = _median_time(lambda: layer(xd, ld), repeats, sync)
+        seconds = _median_time(lambda: layer(xd, ld, router_weights=md), repeats, sync)
         out_host = out.get()
         click.echo(f"backend GPU ({device_name()})")
         click.echo(f"time    {seconds * 1e6:.1f} us per eager call + sync (median of {repeats})")
@@ -293,10 +333,12 @@ def run(
         with warnings.catch_warnings():  # the line above already says it
             warnings.simplefilter("ignore", RuntimeWarning)
             start = time.perf_counter()
-            out_host = layer(x, logits)
+            out_host = layer(x, logits, router_weights=mix)
             seconds = time.perf_counter() - start
             if repeats is not None and repeats > 1:
-                seconds = _median_time(lambda: layer(x, logits), repeats, lambda: None)
+                seconds = _median_time(
+                    lambda: layer(x, logits, router_weights=mix), repeats, lambda: None
+                )
         click.echo(f"time    {seconds * 1e3:.1f} ms per call (median of {repeats or 1})")
     flat = out_host.astype(np.float64)
     if flat.size:
@@ -309,7 +351,12 @@ def run(
         # --check-tokens tokens bound its cost (DeepSeek-V3, 8 tokens: up to 64 experts).
         checked = tokens if check_tokens == 0 else min(tokens, check_tokens)
         _progress(f"computing the float64 reference of {checked} of {tokens} tokens")
-        ref = moe_reference(x[:checked], logits[:checked], layer)
+        ref = moe_reference(
+            x[:checked],
+            logits[:checked],
+            layer,
+            router_weights=None if mix is None else mix[:checked],
+        )
         max_rel, rms_rel = relative_errors(ref, out_host[:checked])
         click.echo(
             f"error   max_rel {max_rel:.3e}  rms_rel {rms_rel:.3e}  (vs float64 reference, "
@@ -320,6 +367,19 @@ def run(
             f"error   none measured: on the NumPy backend the output is the float64 reference "
             f"itself, rounded to {dtype}"
         )
+
+
+def _layer_overrides(routing: str | None, activation: str | None) -> dict[str, Any]:
+    """``--routing`` / ``--activation`` as LayerShape fields (those given); a checkpoint's FC1 is
+    gated, so a non-gated ``--activation`` needs random weights."""
+    changes: dict[str, Any] = {}
+    if routing is not None:
+        changes["routing"] = routing
+    if activation is not None:
+        changes["activation"] = activation
+        if not Activation.parse(activation).gated:
+            changes["fc1_layout"] = None
+    return changes
 
 
 def _inputs(
@@ -558,12 +618,12 @@ def info() -> None:
         else:
             click.echo("gpu      none found; reference backend")
         cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
-        click.echo(f"kernels  CuPy cache {cache}")
+        click.echo(f"kernels  CuPy cache {cache}; sm_90a cubins {kernel_cache_dir()}")
     from .experts.cache import cache_path
 
     click.echo(f"tuning   {cache_path()}")
     click.echo("environment:")
-    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS):
+    for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS, ENV_WGMMA, ENV_KERNEL_CACHE):
         click.echo(f"  {name}={os.environ.get(name, '')!s:<20} ")
 
 

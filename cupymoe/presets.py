@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .experts.activation import Activation
 from .formats import Fp4Experts, Fp4Format, decode_e4m3, random_fp4_gpu
 from .routing import Router, RoutingMethod, route_ref
 
@@ -172,8 +173,9 @@ def random_layer(
     kw = shape.layer_kwargs()
     if shape.routing == "sigmoid_grouped":
         kw["correction_bias"] = rng.standard_normal(e).astype(np.float32) * 0.01
+    gated = Activation.parse(shape.activation).gated
     if shape.biases:
-        kw["fc1_bias"] = rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1
+        kw["fc1_bias"] = rng.standard_normal((e, (2 if gated else 1) * i)).astype(np.float32) * 0.1
         kw["fc2_bias"] = rng.standard_normal((e, h)).astype(np.float32) * 0.1
     experts = None
     if only_for is not None:
@@ -186,7 +188,10 @@ def random_layer(
         )
         experts = np.unique(route_ref(np.asarray(only_for), router).topk_ids).tolist()
     fmt = shape.format
-    if shape.fc1_layout is None:
+    if not gated:  # one FC1 matrix [E, I, H]
+        kw["fc1"] = random_fp4_experts(rng, e, i, h, fmt, experts=experts)
+        kw["fc1_layout"] = None
+    elif shape.fc1_layout is None:
         kw["fc1"] = tuple(random_fp4_experts(rng, e, i, h, fmt, experts=experts) for _ in "gu")
     else:
         kw["fc1"] = random_fp4_experts(rng, e, 2 * i, h, fmt, experts=experts)
@@ -202,21 +207,24 @@ def random_layer_gpu(
     (:func:`~cupymoe.formats.random_fp4_gpu`, seeds ``seed`` to ``seed + 2``: no host work per
     element, a DeepSeek-V3 layer in seconds); biases and the router bias come from ``rng``.
 
-    FC1 is a ``(gate, up)`` pair whatever ``shape.fc1_layout`` says: the kernels and the bytes
-    they read are the same for every layout. The weights' statistics are those of
+    A gated FC1 is a ``(gate, up)`` pair whatever ``shape.fc1_layout`` says: the kernels and the
+    bytes they read are the same for every layout. The weights' statistics are those of
     ``random_fp4_gpu``, not the unit-variance ones of :func:`random_layer`.
     """
     e, h, i = shape.n_experts, shape.hidden, shape.intermediate
     kw = shape.layer_kwargs()
     kw["fc1_layout"] = None
+    gated = Activation.parse(shape.activation).gated
     if shape.biases:
-        kw["fc1_bias"] = rng.standard_normal((e, 2 * i)).astype(np.float32) * 0.1
+        kw["fc1_bias"] = rng.standard_normal((e, (2 if gated else 1) * i)).astype(np.float32) * 0.1
         kw["fc2_bias"] = rng.standard_normal((e, h)).astype(np.float32) * 0.1
     if shape.routing == "sigmoid_grouped":
         kw["correction_bias"] = rng.standard_normal(e).astype(np.float32) * 0.01
     gate = random_fp4_gpu(e, i, h, shape.format, seed=seed)
-    up = random_fp4_gpu(e, i, h, shape.format, seed=seed + 1)
-    kw["fc1"] = (gate, up)
+    if gated:
+        kw["fc1"] = (gate, random_fp4_gpu(e, i, h, shape.format, seed=seed + 1))
+    else:  # one FC1 matrix [E, I, H]
+        kw["fc1"] = gate
     kw["fc2"] = random_fp4_gpu(e, h, i, shape.format, seed=seed + 2)
     kw["max_tokens"] = max_tokens
     return kw

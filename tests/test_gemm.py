@@ -94,6 +94,8 @@ def test_gemm_config_table() -> None:
 def test_wgmma_config_table() -> None:
     with pytest.raises(ValueError, match="not compiled"):
         WgmmaConfig(48, 4)
+    with pytest.raises(ValueError, match="not compiled"):
+        WgmmaConfig(64, 6)
     with pytest.raises(TypeError, match="bn"):
         WgmmaConfig(True, 4)  # type: ignore[arg-type]
     assert 8 < WGMMA_MIN_ROWS_PER_EXPERT < 128  # between the measured losses and wins
@@ -108,7 +110,7 @@ def test_wgmma_specs_target_sm90a() -> None:
     from cupymoe.experts.gemm import kernel_specs
 
     wgmma = [s for s in kernel_specs() if s.stage == "gemm_sm90"]
-    assert len(wgmma) == 2 * 2 * 2 * 4 * len(WGMMA_TILINGS)
+    assert len(wgmma) == 2 * 2 * 2 * 8 * len(WGMMA_TILINGS)  # FC2 + 7 FC1 activations
     assert {s.target for s in wgmma} == {"sm_90a"}
     assert {target_arch(s, "sm_90") for s in wgmma} == {"sm_90a"}
     assert {target_arch(s, "sm_80") for s in wgmma} == {None}

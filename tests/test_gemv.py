@@ -28,7 +28,7 @@ def test_activation_parse() -> None:
     assert Activation.parse("SwiGLU") is Activation.SWIGLU
     assert ActivationSpec("geglu").kind is Activation.GEGLU
     with pytest.raises(ValueError, match="swiglu_oai"):
-        Activation.parse("relu")
+        Activation.parse("tanh")
     with pytest.raises(ValueError, match="limit"):
         ActivationSpec("swiglu_oai", limit=0.0)
     with pytest.raises(TypeError, match="alpha"):
@@ -473,7 +473,8 @@ def test_weight_order_dispatch(rng: np.random.Generator) -> None:
     assert layouts.DEFAULT_LAYOUT is WeightLayout.SPLIT
     orders = {spec.args[2] for spec in gemv.kernel_specs()}
     assert orders == {0, 1, 2}
-    assert len(gemv.kernel_specs()) == 2 * 2 * 3 * len(TILINGS) * 2 * 4
+    # FC2 + 3 gated and 4 non-gated FC1 activations
+    assert len(gemv.kernel_specs()) == 2 * 2 * 3 * len(TILINGS) * 2 * (1 + len(Activation))
 
 
 def test_tile_scales_layout() -> None:

@@ -2,8 +2,8 @@
 // FP4 weight decode and tensor-core helpers shared by the GEMV (gemv_fp4.cu) and the grouped
 // GEMM (gemm_fp4.cu): the E2M1 decoders of the three nibble orders into 16-bit pairs, the exact
 // 16-bit block-scale multiply and its scale table, mma.sync m16n8k16 with fp32 accumulators, and
-// the gated activations. Every function is exact as described where it is defined; the numerics
-// contract they implement is stated in gemv_fp4.cu's header. The loader inlines this file.
+// the activations (gated and not). Every function is exact as described where it is defined; the
+// numerics contract they implement is stated in gemv_fp4.cu's header. The loader inlines this file.
 #pragma once
 
 #include "common.cuh"
@@ -193,9 +193,14 @@ template <int kFormat, typename T> __device__ __forceinline__ uint32_t scale_bit
     }
 }
 
-// Gated activations in fp32 (kAct: 1 swiglu, 2 geglu, 3 swiglu_oai).
-template <int kAct> __device__ __forceinline__ float activate(float g, float u, float alpha,
-                                                             float limit) {
+// ---- activations in fp32 (kAct = experts/activation.py: Activation.code, the one table of codes:
+// 0 none (FC2), gated 1 swiglu, 2 geglu, 3 swiglu_oai; non-gated 4 relu, 5 gelu, 6 silu, 7 identity)
+struct ActArgs {  // swiglu_oai, the general SwiGLU: g sigmoid(alpha g) (u + beta), clamp limit
+    float alpha, beta, limit;
+};
+
+template <int kAct> __device__ __forceinline__ float activate(float g, float u, const ActArgs& a) {
+    static_assert(kAct >= 1 && kAct <= 3, "activate: the gated kinds 1..3");
     if constexpr (kAct == 1) {
         return g / (1.0f + expf(-g)) * u;
     } else if constexpr (kAct == 2) {
@@ -203,9 +208,29 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
     } else {
         // Comparisons, not fminf/fmaxf: those return the other operand for NaN, and a NaN must
         // reach the output like it does in the reference.
-        g = g > limit ? limit : g;
-        u = u > limit ? limit : (u < -limit ? -limit : u);
-        return g / (1.0f + expf(-alpha * g)) * (u + 1.0f);
+        g = g > a.limit ? a.limit : g;
+        u = u > a.limit ? a.limit : (u < -a.limit ? -a.limit : u);
+        return g / (1.0f + expf(-a.alpha * g)) * (u + a.beta);
+    }
+}
+// gpt-oss's swiglu_oai (beta 1) and the other gated kinds with two scalars.
+template <int kAct> __device__ __forceinline__ float activate(float g, float u, float alpha,
+                                                             float limit) {
+    return activate<kAct>(g, u, ActArgs{alpha, 1.0f, limit});
+}
+
+// Non-gated (FC1 [E, I, H], one matrix) and kAct 0 (FC2: no activation).
+template <int kAct> __device__ __forceinline__ float activate1(float v, const ActArgs& a) {
+    static_assert(kAct == 0 || (kAct >= 4 && kAct <= 7), "activate1: kAct 0 or 4..7");
+    (void)a;
+    if constexpr (kAct == 4) {
+        return v < 0.0f ? 0.0f : v;  // NaN < 0 is false: NaN passes, as in the reference
+    } else if constexpr (kAct == 5) {
+        return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    } else if constexpr (kAct == 6) {
+        return v / (1.0f + expf(-v));
+    } else {
+        return v;
     }
 }
 

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Grouped FP4 expert GEMM on tensor cores, for batches above the GEMV window: FC1 with the gated
-// activation fused (gemm_fc1) and FC2 (gemm_fc2). Same functions and numerics as gemv_fp4.cu:
+// activation fused (gemm_fc1), FC1 with a non-gated activation (gemm_fc1_single) and FC2
+// (gemm_fc2). Same functions and numerics as gemv_fp4.cu:
 //
 //   FC2:  out[r, n] = sum_k x[r, k] * W[e, n, k] + bias[e, n]                 for rows r of expert e
 //   FC1:  out[r, n] = act(x[t, :] . Wg[e, n, :] + bg[e, n],  x[t, :] . Wu[e, n, :] + bu[e, n])
 //         with t = row_source[r] / top_k (x is read in token order: no expand launch)
+//   FC1, non-gated:  out[r, n] = act(x[t, :] . W[e, n, :] + bias[e, n])  (FC2's tiles, FC1's rows)
 //
 // Operands. The weights are the A operand, the tokens the N dimension: a block tile is kBM weight
 // rows (kBM / 16 m-tiles; FC1 m-tile = 8 gate + 8 up rows of the same 8 columns, as in the GEMV)
@@ -83,7 +85,7 @@ struct Params {
     const int* active;          // [slots] expert ids with rows, padded with -1
     void* out;                  // [rows, n] of T, expanded order
     int n_experts, slots, n, k, chunks, top_k, scale_shift;
-    float alpha, limit;
+    ActArgs act;
 };
 
 // One work item: row tile of an expert and a column block.
@@ -98,7 +100,9 @@ template <int kFormat, typename T, int kAct, bool kBias, int kWarpsM, int kWarps
           int kNT, int kStages>
 struct Gemm {
     using Dec = Decoder<T, kSplit>;
-    static constexpr bool kGated = kAct != 0;
+    // kAct (fp4_mma.cuh): 0 FC2, 1..3 gated FC1 (m-tile = 8 columns x gate, up), 4..7 non-gated
+    // FC1 (FC2's m-tiles and epilogue, plus the activation).
+    static constexpr bool kGated = kAct >= 1 && kAct <= 3;
     static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
     static constexpr int kBMT = kWarpsM * kMT;          // m-tiles per block
     static constexpr int kBN = kWarpsN * kNT * 8;       // expanded rows per block tile
@@ -307,7 +311,7 @@ struct Gemm {
                         if (n0 + u < it.rows)
                             out[(size_t)(it.row0 + n0 + u) * p.n + col] = cm::from_float<T>(
                                 activate<kAct>(acc[i][j][u] * f0 + bg, acc[i][j][2 + u] * f1 + bu,
-                                               p.alpha, p.limit));
+                                               p.act));
                 } else {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -317,8 +321,8 @@ struct Gemm {
 #pragma unroll
                         for (int u = 0; u < 2; ++u)
                             if (n0 + u < it.rows)
-                                out[(size_t)(it.row0 + n0 + u) * p.n + col] =
-                                    cm::from_float<T>(acc[i][j][2 * h + u] * f0 + b);
+                                out[(size_t)(it.row0 + n0 + u) * p.n + col] = cm::from_float<T>(
+                                    activate1<kAct>(acc[i][j][2 * h + u] * f0 + b, p.act));
                     }
                 }
             }
@@ -463,8 +467,27 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN, 1)
     const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
-                   scale_shift, 0.0f, 0.0f};
+                   scale_shift, {0.0f, 0.0f, 0.0f}};
     gemm_body<kFormat, T, 0, kBias, kWarpsM, kWarpsN, kMT, kNT, kStages>(p);
+}
+
+// FC1 with a non-gated activation (kAct 4 relu, 5 gelu, 6 silu, 7 identity): FC2's tiles (one
+// matrix [E, n, k]), x in token order through row_source, FC1's wait.
+template <int kFormat, typename T, int kAct, bool kBias, int kWarpsM, int kWarpsN, int kMT,
+          int kNT, int kStages>
+__global__ void __launch_bounds__(32 * kWarpsM * kWarpsN, 1)
+    gemm_fc1_single(const T* __restrict__ x, const int* __restrict__ row_source,
+                    const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                    const float* __restrict__ global_scale, const float* __restrict__ bias,
+                    const int* __restrict__ expert_offsets, const int* __restrict__ active,
+                    T* __restrict__ out, int n_experts, int slots, int n, int k, int chunks,
+                    int top_k, int scale_shift) {
+    static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
+    const Params p{x,      row_source, w,     nullptr,   scales, global_scale,
+                   nullptr, bias,   nullptr, expert_offsets, active, out,
+                   n_experts, slots, n,    k,         chunks, top_k,
+                   scale_shift, {0.0f, 0.0f, 0.0f}};
+    gemm_body<kFormat, T, kAct, kBias, kWarpsM, kWarpsN, kMT, kNT, kStages>(p);
 }
 
 // FC1: as FC2; an m-tile is 8 output columns (gate and up rows of each); x in token order.
@@ -477,11 +500,12 @@ __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN, 1)
              const float* __restrict__ up_global, const float* __restrict__ gate_bias,
              const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
              const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
-             int k, int chunks, int top_k, int scale_shift, float alpha, float limit) {
+             int k, int chunks, int top_k, int scale_shift, float alpha, float beta,
+             float limit) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source, gate,    up,        scales,         gate_global,
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
-                   scale_shift, alpha,    limit};
+                   scale_shift, {alpha, beta, limit}};
     gemm_body<kFormat, T, kAct, kBias, kWarpsM, kWarpsN, kMT, kNT, kStages>(p);
 }

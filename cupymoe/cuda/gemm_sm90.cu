@@ -239,7 +239,7 @@ struct Params {
     const int* active;          // [slots] expert ids with rows, padded with -1
     void* out;                  // [rows, n] of T, expanded order
     int n_experts, slots, n, k, chunks, top_k, scale_shift;
-    float alpha, limit;
+    ActArgs act;
 };
 
 struct Item {
@@ -285,7 +285,7 @@ template <int kBN> __device__ __forceinline__ void scan_row_tiles(const Params& 
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 struct Gemm90 {
     using Dec = Decoder<T, kSplit>;
-    static constexpr bool kGated = kAct != 0;
+    static constexpr bool kGated = kAct >= 1 && kAct <= 3;  // else one matrix (FC2, non-gated FC1)
     static constexpr int kBlock = cm::FormatTraits<kFormat>::kBlock;
     static constexpr int kScaleBytes = 2 * kChunk / kBlock;       // per lane row: 4 or 2
     static constexpr int kScaleChunkBytes = 8 * kScaleBytes;      // per m-tile and chunk
@@ -513,7 +513,7 @@ struct Gemm90 {
                     const int n = 8 * jb + 2 * t + u;
                     if (n < it.rows)
                         out[(size_t)(it.row0 + n) * p.n + col] = cm::from_float<T>(activate<kAct>(
-                            acc[4 * jb + u] * f0 + bg, acc[4 * jb + 2 + u] * f1 + bu, p.alpha, p.limit));
+                            acc[4 * jb + u] * f0 + bg, acc[4 * jb + 2 + u] * f1 + bu, p.act));
                 }
         } else {
 #pragma unroll
@@ -527,8 +527,8 @@ struct Gemm90 {
                     for (int u = 0; u < 2; ++u) {
                         const int n = 8 * jb + 2 * t + u;
                         if (n < it.rows)
-                            out[(size_t)(it.row0 + n) * p.n + col] =
-                                cm::from_float<T>(acc[4 * jb + 2 * h + u] * f0 + bias);
+                            out[(size_t)(it.row0 + n) * p.n + col] = cm::from_float<T>(
+                                activate1<kAct>(acc[4 * jb + 2 * h + u] * f0 + bias, p.act));
                     }
             }
         }
@@ -588,11 +588,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
-                   scale_shift, 0.0f, 0.0f};
+                   scale_shift, {0.0f, 0.0f, 0.0f}};
     gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p);
 }
 
-// FC1: as FC2; arguments as gemm_fp4.cu's gemm_fc1.
+// Non-gated FC1 (relu, gelu, silu, identity): FC2's kernel with FC1's row gather and wait, and
+// the activation in the epilogue. Arguments as gemm_fp4.cu's gemm_fc1_single.
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemm90_fc1_single(const T* __restrict__ x, const int* __restrict__ row_source,
+                      const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                      const float* __restrict__ global_scale, const float* __restrict__ bias,
+                      const int* __restrict__ expert_offsets, const int* __restrict__ active,
+                      T* __restrict__ out, int n_experts, int slots, int n, int k, int chunks,
+                      int top_k, int scale_shift) {
+    static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
+    const Params p{x,      row_source, w,     nullptr,   scales, global_scale,
+                   nullptr, bias,   nullptr, expert_offsets, active, out,
+                   n_experts, slots, n,    k,         chunks, top_k,
+                   scale_shift, {0.0f, 0.0f, 0.0f}};
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
+}
+
+// FC1 with a gated activation: as FC2; arguments as gemm_fp4.cu's gemm_fc1.
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
@@ -601,11 +619,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                const float* __restrict__ up_global, const float* __restrict__ gate_bias,
                const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
-               int k, int chunks, int top_k, int scale_shift, float alpha, float limit) {
+               int k, int chunks, int top_k, int scale_shift, float alpha, float beta,
+               float limit) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source, gate,    up,        scales,         gate_global,
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
-                   scale_shift, alpha,    limit};
+                   scale_shift, {alpha, beta, limit}};
     gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
 }

@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// FP4 expert GEMV for decode on tensor cores: FC1 with the gated activation fused (gemv_fc1) and
-// FC2 (gemv_fc2).
+// FP4 expert GEMV for decode on tensor cores: FC1 with the gated activation fused (gemv_fc1), FC1
+// with a non-gated activation (gemv_fc1_single) and FC2 (gemv_fc2).
 //
 //   FC2:  out[r, n] = sum_k x[r, k] * W[e, n, k] + bias[e, n]                 for rows r of expert e
 //   FC1:  out[r, n] = act(x[t, :] . Wg[e, n, :] + bg[e, n],  x[t, :] . Wu[e, n, :] + bu[e, n])
 //         with t = row_source[r] / top_k (x is read in token order: no expand launch)
+//   FC1, non-gated:  out[r, n] = act(x[t, :] . W[e, n, :] + bias[e, n])  (FC2's tiles, FC1's rows)
 //
 // with W[e, n, k] = E2M1(nibble) * block_scale(e, n, k / kBlock) * global_scale[e].
 //
@@ -211,18 +212,20 @@ struct Params {
     const int* active;          // [slots] expert ids, -1 = no expert
     void* out;                  // [rows, n] of T, expanded order
     int n_experts, n, k, chunks, top_k, scale_shift;
-    float alpha, limit;
+    ActArgs act;
     int dependent;  // FC2 launched as a programmatic dependent of FC1 (plain order: L2 prefetch)
 };
 
-// kAct 0 = FC2 (m-tile = 16 output columns); 1..3 = FC1 (m-tile = 8 columns x gate, up).
+// kAct 0 = FC2 (m-tile = 16 output columns); 1..3 = gated FC1 (m-tile = 8 columns x gate, up);
+// 4..7 = non-gated FC1: FC2's tiles and epilogue (plus the activation), FC1's rows and wait.
 template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, int kAct,
           bool kBias>
 __device__ __forceinline__ void gemv_body(const Params& p) {
     using Dec = Decoder<T, kOrder>;
     constexpr int kWarps = kThreads / 32;
     constexpr int kTiles = kCtaN / 16;
-    constexpr bool kGated = kAct != 0;
+    constexpr bool kGated = kAct >= 1 && kAct <= 3;
+    constexpr bool kFc1 = kAct != 0;  // follows the routing: waits before it reads the maps
     constexpr int kColsPerTile = kGated ? 8 : 16;
     // Split order: tiles of kColsPerTile rows (FC1: 8 columns of gate, and of up, in their own
     // arrays; FC2: 16 rows), chunk-major inside a tile, [E, tiles, chunks, rows, 16 bytes]: the
@@ -249,7 +252,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
     // Programmatic dependent launch (common.cuh): FC1 follows the routing launch and waits before
     // it reads the maps; FC2 follows FC1, so the maps are complete and it reads them, and starts
     // its weight loads, while FC1 finishes, waiting only before it reads x (FC1's output).
-    if constexpr (kGated) cm::wait_upstream();
+    if constexpr (kFc1) cm::wait_upstream();
     const int e = p.active[blockIdx.y];
     if (e < 0 || e >= p.n_experts) return;  // uniform per block: no later barrier is split
 
@@ -340,7 +343,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
         } else if (first_exists) {
             loop.template load<true>(first_frag, lane_chunk, p.chunks);
         }
-    } else if (!kGated && p.dependent && lane_chunk < p.chunks) {
+    } else if (!kFc1 && p.dependent && lane_chunk < p.chunks) {
         // As a programmatic dependent of FC1, FC2 asks the L2 for its first weight chunks before
         // the wait: they arrive while FC1 finishes.
 #pragma unroll
@@ -349,7 +352,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
             for (int h = 0; h < 2; ++h) prefetch_l2(wbase0 + lane_woff(m, h));
         }
     }
-    if constexpr (!kGated) cm::wait_upstream();  // x is FC1's output
+    if constexpr (!kFc1) cm::wait_upstream();  // x is FC1's output
     // One pass of 8 rows; `pre`: the first pass, whose iteration 0 uses first_frag. Called with a
     // constant at each site, so the frag is dead after the first pass (no registers held).
     const auto run_pass = [&](int r0, bool pre) {
@@ -433,7 +436,7 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
                     for (int i = 0; i < 2; ++i)
                         if (r + i < row_end)
                             out[(size_t)(r + i) * p.n + col] = cm::from_float<T>(
-                                activate<kAct>(v[i] * f0 + bg, v[2 + i] * f1 + bu, p.alpha, p.limit));
+                                activate<kAct>(v[i] * f0 + bg, v[2 + i] * f1 + bu, p.act));
                 }
             } else {
 #pragma unroll
@@ -444,7 +447,8 @@ __device__ __forceinline__ void gemv_body(const Params& p) {
 #pragma unroll
                     for (int i = 0; i < 2; ++i)
                         if (r + i < row_end)
-                            out[(size_t)(r + i) * p.n + col] = cm::from_float<T>(v[2 * h + i] * f0 + b);
+                            out[(size_t)(r + i) * p.n + col] =
+                                cm::from_float<T>(activate1<kAct>(v[2 * h + i] * f0 + b, p.act));
                 }
             }
         }
@@ -471,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks(kCtaN, kThreads))
              int chunks, int scale_shift, int dependent) {
     const Params p{x,       nullptr,        w,      nullptr, scales,    global_scale, nullptr,
                    bias,    nullptr,        expert_offsets, active, out, n_experts,   n,
-                   k,       chunks,         1,      scale_shift, 0.0f,  0.0f, dependent};
+                   k,       chunks,         1,      scale_shift, {0.0f, 0.0f, 0.0f}, dependent};
     gemv_body<kFormat, T, kOrder, kCtaN, kThreads, 0, kBias>(p);
 }
 
@@ -486,10 +490,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks(kCtaN, kThreads))
              const float* __restrict__ up_global, const float* __restrict__ gate_bias,
              const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
              const int* __restrict__ active, T* __restrict__ out, int n_experts, int n, int k,
-             int chunks, int top_k, int scale_shift, float alpha, float limit) {
+             int chunks, int top_k, int scale_shift, float alpha, float beta, float limit) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source,     gate,   up,  scales,    gate_global, up_global,
                    gate_bias, up_bias,        expert_offsets, active, out, n_experts, n, k,
-                   chunks,    top_k,          scale_shift,    alpha,  limit,  0};
+                   chunks,    top_k,          scale_shift,    {alpha, beta, limit},  0};
+    gemv_body<kFormat, T, kOrder, kCtaN, kThreads, kAct, kBias>(p);
+}
+
+// FC1 with a non-gated activation (kAct 4 relu, 5 gelu, 6 silu, 7 identity): FC2's grid, block
+// and weight tiles (one matrix [E, n, k] of 16-row tiles); x in token order through row_source.
+// Four blocks per SM at every tiling: in the 80 registers of six, the narrow pair-order tiles
+// spilled 20 bytes at sm_90 (FC1's wait ahead of the preload keeps more live than FC2's).
+template <int kFormat, typename T, int kOrder, int kCtaN, int kThreads, int kAct, bool kBias>
+__global__ void __launch_bounds__(kThreads, kMinBlocks * 128 / kThreads)
+    gemv_fc1_single(const T* __restrict__ x, const int* __restrict__ row_source,
+                    const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
+                    const float* __restrict__ global_scale, const float* __restrict__ bias,
+                    const int* __restrict__ expert_offsets, const int* __restrict__ active,
+                    T* __restrict__ out, int n_experts, int n, int k, int chunks, int top_k,
+                    int scale_shift) {
+    static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
+    const Params p{x,       row_source,     w,      nullptr, scales,    global_scale, nullptr,
+                   bias,    nullptr,        expert_offsets, active, out, n_experts,   n,
+                   k,       chunks,         top_k,  scale_shift, {0.0f, 0.0f, 0.0f}, 0};
     gemv_body<kFormat, T, kOrder, kCtaN, kThreads, kAct, kBias>(p);
 }

@@ -4,7 +4,8 @@
 #include "topk.cuh"
 
 
-// One warp per token, 4 tokens per block (block 128). E <= 32 * kN <= 256, k <= kN.
+// One warp per token, 4 tokens per block (block 128). E <= 32 * kN <= 256, k <= kN. `bias`: the
+// correction bias [E] (kMethod 2) or the mixing tensor [n_tokens, E] (kMethod 4).
 template <typename T, int kMethod, int kN>
 __global__ void __launch_bounds__(128, 1) route_warp(
     const T* __restrict__ logits, long long ld, int n_tokens, int E, int k, int n_group,
@@ -16,8 +17,10 @@ __global__ void __launch_bounds__(128, 1) route_warp(
     if (t >= n_tokens) return;  // whole warps only: no later block-wide barrier
     int id;
     float w;
+    const float* mix = kMethod == 4 ? bias + (size_t)t * E : nullptr;
     rt::route_token_warp<T, kMethod, kN>(logits + t * ld, E, k, n_group, topk_group, scale,
-                                          renormalize, bias, scratch + warp * 512, lane, id, w);
+                                          renormalize, bias, scratch + warp * 512, lane, mix, id,
+                                          w);
     if (lane < k) {
         topk_ids[t * k + lane] = id;
         topk_weights[t * k + lane] = w;
@@ -27,11 +30,13 @@ __global__ void __launch_bounds__(128, 1) route_warp(
 // General path: one block (256 threads) per token, any E <= 4096, k <= 64. Keys live in shared
 // memory; top-k by k rounds of block arg-max (each thread keeps its best key below the last
 // winner, so only the winner's thread rescans). Dynamic shared memory: see routing/topk.py.
+// `bias` as in route_warp. The sparse mixer (kMethod 3, E <= 16) always takes the warp kernels.
 template <typename T, int kMethod>
 __global__ void __launch_bounds__(256) route_block(
     const T* __restrict__ logits, long long ld, int E, int k, int n_group, int topk_group,
     float scale, int renormalize, const float* __restrict__ bias, int* __restrict__ topk_ids,
     float* __restrict__ topk_weights) {
+    static_assert(kMethod != 3, "the sparse mixer runs on the warp kernels");
     extern __shared__ uint32_t smem[];
     uint32_t* high = smem;                                          // [E]
     float* val = reinterpret_cast<float*>(smem + E);                // [E]
@@ -115,6 +120,9 @@ __global__ void __launch_bounds__(256) route_block(
             const float x = slot ? cm::to_float(row[ids[q]]) : 0.0f;
             num[q] = (slot && x == x) ? rt::sigmoid_defined(x) : 0.0f;
             local = rt::f_add(local, num[q]);
+        } else if constexpr (kMethod == 4) {
+            num[q] = slot ? bias[(size_t)t * E + ids[q]] : 0.0f;
+            local += num[q];
         } else {
             const float m = top ? rt::from_order_bits(top) : 0.0f;
             const uint32_t h = rt::key_high(key);
@@ -125,7 +133,7 @@ __global__ void __launch_bounds__(256) route_block(
     float denom;
     if constexpr (kMethod == 0) {
         denom = denom_all;
-    } else if constexpr (kMethod == 1) {
+    } else if constexpr (kMethod == 1 || kMethod == 4) {
         denom = rt::warp_sum(local);
     } else {
         denom = rt::warp_sum_exact(local);
@@ -139,6 +147,8 @@ __global__ void __launch_bounds__(256) route_block(
             const bool nonzero = __float_as_uint(denom) != 0u;
             w = renormalize ? (nonzero ? rt::f_mul(rt::f_div(num[q], denom), scale) : 0.0f)
                             : rt::f_mul(num[q], scale);
+        } else if constexpr (kMethod == 4) {
+            w = renormalize ? (denom > 0.0f ? num[q] / denom : 0.0f) : num[q];
         } else {
             w = denom > 0.0f ? num[q] / denom : 0.0f;
         }

@@ -13,6 +13,7 @@
 // launch took 0.15 us longer at M = 2 .. 8). The maps warps of blocks r > 0 only exit. Several
 // blocks are for the issue slots: with two routing warps on a scheduler every phase of a token
 // slows down (routing/topk.py: fused_cluster_size). M * k <= 64, E <= 256, k <= kN, W <= 8.
+// `bias`: the correction bias [E] (kMethod 2) or the mixing tensor [n_tokens, E] (kMethod 4).
 constexpr int kMapsBarrier = 1;
 
 // (blocks in this block's cluster, its rank there): (1, 0) without a cluster launch or sm_90.
@@ -106,8 +107,9 @@ __global__ void __launch_bounds__(288) route_fused(
             }
 #endif
         }
-        const float w =
-            rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
+        const float* mix = kMethod == 4 ? bias + (size_t)t * E : nullptr;
+        const float w = rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale,
+                                                          renormalize, lane, mix);
         if (lane < k) {
             topk_ids[t * k + lane] = id;
             topk_weights[t * k + lane] = w;

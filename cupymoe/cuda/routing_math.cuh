@@ -11,6 +11,10 @@
 // kMethod: 0 = softmax over all experts, then top-k (weights = p, not renormalised)
 //          1 = top-k by logit, softmax over the k (= softmax_topk renormalised = topk_softmax)
 //          2 = sigmoid + correction bias, grouped top-k (DeepSeek-V3)
+//          3 = sparse mixer top-2 (ONNX Runtime use_sparse_mixer; E in {8, 16}, k = 2): the
+//              choice of 0, weights by sparse_mixer_numerator (warp kernels only)
+//          4 = top-k by logit, weights gathered from a mixing tensor [M, E] fp32 (ONNX Runtime's
+//              QMoE router_weights), divided by their sum when `renormalize`
 // The sigmoid of kMethod 2 is computed with explicit IEEE round-to-nearest PTX operations (no
 // contraction, no flush-to-zero), so the NumPy reference reproduces every choice score bit for bit.
 #pragma once
@@ -155,6 +159,18 @@ __device__ __forceinline__ uint32_t key_high(uint64_t key) { return (uint32_t)(k
 __device__ __forceinline__ float softmax_numerator(float x, float m) {
     if (x != x) return 0.0f;
     return x == m ? 1.0f : expf(x - m);
+}
+
+// Sparse mixer (ONNX Runtime, jitter eps 0.01): x's softmax numerator relative to a round's winner
+// m, or 0 when x is NaN or the jitter mask drops it: (m - x) > (2 eps) max(|x|, m). The mask test
+// is made in IEEE fp32 (one rounding for the difference, one for the product) and compared as
+// order_bits integers, exact under -ftz, as routing/reference.py does it.
+__device__ __forceinline__ float sparse_mixer_numerator(float x, float m) {
+    const float two_eps = __uint_as_float(0x3CA3D70Au);  // float32(0.02) = 2 * float32(0.01)
+    const float ax = __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
+    const float fac = order_bits(ax) > order_bits(m) ? ax : m;
+    const bool masked = order_bits(f_sub(m, x)) > order_bits(f_mul(two_eps, fac));
+    return (x != x || masked) ? 0.0f : softmax_numerator(x, m);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

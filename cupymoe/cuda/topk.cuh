@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Top-k on a warp: register sorting networks, the warp top-k of selection keys, group selection
-// (kMethod 2), and one token routed by one warp (E <= 32 * kN <= 256, k <= kN).
+// (kMethod 2), and one token routed by one warp (E <= 32 * kN <= 256, k <= kN). kMethod:
+// routing_math.cuh.
 #pragma once
 
 #include "routing_math.cuh"
@@ -253,11 +254,13 @@ __device__ __forceinline__ uint64_t select_token_warp(const T* __restrict__ row,
     return warp_top_k<kN>(key, k, lane, top);
 }
 
-// Lane i < k: slot i's weight, from select_token_warp's key and state.
+// Lane i < k: slot i's weight, from select_token_warp's key and state. `mix`: the token's row
+// of the mixing tensor (kMethod 4; unused otherwise).
 template <int kMethod, int kN>
 __device__ __forceinline__ float weigh_token_warp(uint64_t mine, uint32_t top,
                                                   const float (&val)[kN], const float (&sig)[kN],
-                                                  int k, float scale, int renormalize, int lane) {
+                                                  int k, float scale, int renormalize, int lane,
+                                                  const float* __restrict__ mix) {
     const bool slot = lane < k;
     const int out_id = key_expert(mine);
     float out_weight;
@@ -275,6 +278,32 @@ __device__ __forceinline__ float weigh_token_warp(uint64_t mine, uint32_t top,
             out_weight = __float_as_uint(sum) ? f_mul(f_div(s, sum), scale) : 0.0f;
         } else {
             out_weight = f_mul(s, scale);
+        }
+    } else if constexpr (kMethod == 3) {
+        // Sparse mixer, k = 2: round r's winner logit from lane r's key; every lane adds the
+        // numerators of its experts that each round keeps (round 2 drops round 1's winner), one
+        // warp sum per round. A NaN winner (key_high 0) gets 0.
+        const uint64_t k0 = __shfl_sync(kFull, mine, 0), k1 = __shfl_sync(kFull, mine, 1);
+        const uint32_t h0 = key_high(k0), h1 = key_high(k1);
+        const int id0 = key_expert(k0);
+        const float m0 = h0 ? from_order_bits(h0) : 0.0f, m1 = h1 ? from_order_bits(h1) : 0.0f;
+        float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kN; ++j) {  // val past E is NaN: numerator 0
+            s0 += sparse_mixer_numerator(val[j], m0);
+            s1 += lane * kN + j == id0 ? 0.0f : sparse_mixer_numerator(val[j], m1);
+        }
+        s0 = warp_sum(s0);
+        s1 = warp_sum(s1);
+        const uint32_t h = lane == 0 ? h0 : h1;
+        out_weight = (slot && h) ? 1.0f / (lane == 0 ? s0 : s1) : 0.0f;  // the winner: s >= 1
+    } else if constexpr (kMethod == 4) {
+        const float num = slot ? __ldg(mix + out_id) : 0.0f;
+        if (renormalize) {
+            const float denom = warp_sum(num);
+            out_weight = denom > 0.0f ? num / denom : 0.0f;
+        } else {
+            out_weight = num;
         }
     } else {
         const float m = top ? from_order_bits(top) : 0.0f;
@@ -298,14 +327,15 @@ template <typename T, int kMethod, int kN>
 __device__ __forceinline__ void route_token_warp(const T* __restrict__ row, int E, int k,
                                                  int n_group, int topk_group, float scale,
                                                  int renormalize, const float* __restrict__ bias,
-                                                 float* scratch, int lane, int& out_id,
-                                                 float& out_weight) {
+                                                 float* scratch, int lane, const float* mix,
+                                                 int& out_id, float& out_weight) {
     float val[kN], sig[kN];
     uint32_t top;
     const uint64_t mine = select_token_warp<T, kMethod, kN>(row, E, k, n_group, topk_group, bias,
                                                             scratch, lane, val, sig, top);
     out_id = key_expert(mine);
-    out_weight = weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane);
+    out_weight =
+        weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale, renormalize, lane, mix);
 }
 
 }  // namespace rt

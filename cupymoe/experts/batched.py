@@ -129,7 +129,7 @@ def _grouped_matmul(
 def fc1_batched(
     x: Any,
     gate: DeviceFp4,
-    up: DeviceFp4,
+    up: DeviceFp4 | None,
     routing: Routing,
     *,
     act: ActivationSpec,
@@ -144,16 +144,17 @@ def fc1_batched(
     intermediate, hidden]``, each with its own global scales), plus the float32 biases
     ``[n_experts, intermediate]``, through ``act``; ``routing`` holds CuPy (or NumPy) arrays and
     its ``expert_offsets`` is read back to the host. Returns (or fills ``out``) ``h [n_tokens *
-    top_k, intermediate]`` in expanded order, dtype of ``x``.
+    top_k, intermediate]`` in expanded order, dtype of ``x``. A non-gated ``act`` takes
+    ``up=None``: ``gate`` is then FC1's one matrix and ``gate_bias`` its bias.
 
     Not capturable (one host synchronisation, per-call workspaces); float32 SGEMM, fp32 bias and
     activation, one rounding to ``x.dtype``.
     """
     cupy = require_cupy()
-    for name, w in (("gate", gate), ("up", up)):
+    for name, w in (("gate", gate), ("up", gate if up is None else up)):
         if not isinstance(w, DeviceFp4):
             raise TypeError(f"{name}: expected a DeviceFp4, got {type(w).__name__}")
-    if (up.n_experts, up.n, up.k) != (gate.n_experts, gate.n, gate.k):
+    if up is not None and (up.n_experts, up.n, up.k) != (gate.n_experts, gate.n, gate.k):
         raise ValueError(
             f"up: expected the shape of gate {(gate.n_experts, gate.n, gate.k)}, "
             f"got {(up.n_experts, up.n, up.k)}"
@@ -172,6 +173,10 @@ def fc1_batched(
     if rows == 0:
         return out
     x_sorted = x[sorted_rows // top_k].astype(cupy.float32)
+    if up is None:
+        (v,) = _grouped_matmul(x_sorted, (gate,), (gate_bias,), offsets)
+        out[...] = activation_device(v, None, act).astype(x.dtype)
+        return out
     g, u = _grouped_matmul(x_sorted, (gate, up), (gate_bias, up_bias), offsets)
     out[...] = activation_device(g, u, act).astype(x.dtype)
     return out

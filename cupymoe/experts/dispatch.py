@@ -27,8 +27,8 @@ from ..routing import Routing, check_device_routing
 from .activation import ActivationSpec, check_activation
 from .batched import fc1_batched, fc2_batched
 from .config import GemvConfig
-from .gemm import GemmConfig, WgmmaConfig, gemm_fc1, gemm_fc2
-from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc2, scale_shift
+from .gemm import GemmConfig, WgmmaConfig, gemm_fc1, gemm_fc1_single, gemm_fc2
+from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc1_single, gemv_fc2, scale_shift
 from .layouts import WeightLayout
 
 __all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "Backend", "backend_for", "capturable", "fc1", "fc2"]
@@ -106,7 +106,7 @@ def _choose(
 
 def fc1(
     x: Any,
-    weights: PreparedFc1,
+    weights: PreparedFc1 | PreparedFc2,
     routing: Routing,
     *,
     act: ActivationSpec,
@@ -115,13 +115,16 @@ def fc1(
     backend: Backend | None = None,
     pdl: bool = False,
 ) -> Any:
-    """FC1 with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
+    """FC1 with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``, or a
+    non-gated one: ``h[r] = act(x[t] W[e]^T + b)``.
 
     Parameters
     ----------
     x : cupy.ndarray
         ``[n_tokens, hidden]`` bf16 or fp16, token order (read through ``routing.sorted_rows``).
-    weights : PreparedFc1
+    weights : PreparedFc1 or PreparedFc2
+        Gate and up (:func:`.gemv.prepare_fc1`) for a gated ``act``; the one ``[E, I, H]``
+        matrix prepared like FC2 (:func:`.gemv.prepare_fc2`) for a non-gated one.
     routing : Routing
         CuPy routing arrays (int32).
     act : ActivationSpec
@@ -153,10 +156,17 @@ def fc1(
     given config. MXFP4 with fp16 activations whose scales span more than
     :func:`.layouts.mx_scale_shift` can fold exactly takes the batched path.
     """
-    if not isinstance(weights, PreparedFc1):
-        raise TypeError(f"weights: expected PreparedFc1, got {type(weights).__name__}")
+    if not isinstance(weights, PreparedFc1 | PreparedFc2):
+        raise TypeError(
+            f"weights: expected PreparedFc1 or PreparedFc2, got {type(weights).__name__}"
+        )
     check_activation(act)
-    g = weights.gate
+    if isinstance(weights, PreparedFc2) == act.kind.gated:
+        need = "PreparedFc1 (gate, up)" if act.kind.gated else "PreparedFc2 (one matrix)"
+        raise ValueError(
+            f"weights: the activation {act.kind.value!r} needs {need}, got {type(weights).__name__}"
+        )
+    g = weights.down if isinstance(weights, PreparedFc2) else weights.gate
     if not is_cupy_array(x) or x.ndim != 2:
         raise TypeError(f"x: expected a 2-D cupy.ndarray [n_tokens, {g.k}], got {type(x).__name__}")
     dtype = check_activations(x, "x", g.k, x.shape[0], aligned=True)
@@ -165,7 +175,12 @@ def fc1(
     rows = n_tokens * top_k
     automatic = backend_for(rows, shift, layout=weights.layout, n_experts=g.n_experts)
     chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+    if chosen is Backend.BATCHED and isinstance(weights, PreparedFc2):
+        return fc1_batched(
+            x, weights.device_fp4(), None, routing, act=act, gate_bias=weights.bias, out=out
+        )
     if chosen is Backend.BATCHED:
+        assert isinstance(weights, PreparedFc1)
         gate, up = weights.device_fp4()
         return fc1_batched(
             x,
@@ -178,6 +193,30 @@ def fc1(
             out=out,
         )
     assert shift is not None  # the tensor-core backends fold the scales
+    if isinstance(weights, PreparedFc2):
+        if chosen is Backend.GEMM:
+            return gemm_fc1_single(
+                x,
+                weights,
+                routing,
+                act=act,
+                top_k=top_k,
+                shift=shift,
+                out=out,
+                config=gemm_cfg,
+                pdl=pdl,
+            )
+        return gemv_fc1_single(
+            x,
+            weights,
+            routing,
+            act=act,
+            top_k=top_k,
+            shift=shift,
+            out=out,
+            config=gemv_cfg,
+            pdl=pdl,
+        )
     if chosen is Backend.GEMM:
         return gemm_fc1(
             x,

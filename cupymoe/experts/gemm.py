@@ -47,6 +47,7 @@ __all__ = [
     "default_config",
     "wgmma_enabled",
     "gemm_fc1",
+    "gemm_fc1_single",
     "gemm_fc2",
     "kernel_specs",
     "row_tiles",
@@ -165,15 +166,17 @@ TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], 
 ENV_WGMMA = "CUPYMOE_WGMMA"
 
 #: (bn, stages) of the sm_90a wgmma kernel: 384 threads (a producer and two consumer warp groups),
-#: 128 weight rows per block tile, one block per SM.
-WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((32, 6), (64, 6), (128, 4))
+#: 128 weight rows x 128 expanded rows per block tile, one block per SM. A tile with fewer rows
+#: runs its wgmma at N = 32 or 64 (the kernel picks per item); bn 32 and 64 tilings (6 stages)
+#: were slower at every shape measured (below) and are not compiled.
+WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((128, 4),)
 
 #: Average rows per active expert above which sm_90 runs the wgmma kernel (bn 128) instead of
 #: the mma.sync table. Measured on the H200 (FC1 + FC2 graph replays over HBM-resident weights,
 #: µs, mma.sync default / wgmma bn 32 / 64 / 128): Qwen3.6 M = 1,024 (32 rows per expert) 390 /
 #: 492 / 514 / 544; M = 4,096 (128) 1,213 / 1,446 / 1,297 / 1,048; gpt-oss M = 256 (32) 351 / 500
 #: / 490 / 512; M = 1,024 (128) 1,083 / 1,478 / 1,212 / 1,002; M = 4,096 (512) 3,430 / 5,217 /
-#: 4,050 / 2,991. bn 32 and 64 never won; they stay compiled for tuning and tests.
+#: 4,050 / 2,991.
 WGMMA_MIN_ROWS_PER_EXPERT = 64
 
 
@@ -380,6 +383,7 @@ def gemm_fc1(
             np.int32(top_k),
             np.int32(shift),
             np.float32(act.alpha),
+            np.float32(act.beta),
             np.float32(act.limit),
         ),
         shared_mem=smem,
@@ -402,30 +406,73 @@ def gemm_fc2(
     :func:`.dispatch.fc2`; ``weights`` a :class:`.gemv.PreparedFc2` in the SPLIT layout).
     Returns ``y [rows, hidden]`` in expanded order, dtype of ``h``. A programmatic dependent
     launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1)."""
+    return _gemm_single(h, weights, routing, int(h.shape[0]), None, 1, shift, out, config, pdl)
+
+
+def gemm_fc1_single(
+    x: Any,
+    weights: PreparedFc2,
+    routing: Routing,
+    *,
+    act: ActivationSpec,
+    top_k: int,
+    shift: int,
+    out: Any = None,
+    config: GemmConfig | WgmmaConfig | None = None,
+    pdl: bool = False,
+) -> Any:
+    """FC1 with a non-gated activation as a grouped GEMM: ``h[r] = act(x[t] W[e]^T + b[e])``
+    (``weights`` the one ``[E, I, H]`` matrix, prepared like FC2; ``x`` in token order, read
+    through ``routing.sorted_rows``). Returns ``h [rows, intermediate]``, dtype of ``x``."""
+    rows = int(x.shape[0]) * top_k
+    return _gemm_single(x, weights, routing, rows, act, top_k, shift, out, config, pdl)
+
+
+def _gemm_single(
+    x: Any,
+    weights: PreparedFc2,
+    routing: Routing,
+    rows: int,
+    act: ActivationSpec | None,
+    top_k: int,
+    shift: int,
+    out: Any,
+    config: GemmConfig | WgmmaConfig | None,
+    pdl: bool,
+) -> Any:
+    """One matrix per expert: FC2 (``act`` None, ``x`` in expanded order) or non-gated FC1."""
     w = weights.down
     if weights.layout is not WeightLayout.SPLIT:
         raise ValueError(f"weights: the grouped GEMM reads the split layout, got {weights.layout}")
-    dtype = np.dtype(h.dtype)
-    rows = int(h.shape[0])
+    dtype = np.dtype(x.dtype)
     out = device_output(out, (rows, w.n), dtype)
     if rows == 0 or w.n == 0:
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
     _check_runs_here(cfg)
-    spec = _spec(cfg, "fc2", (w.format.code, CTYPE[dtype], weights.bias is not None))
+    head = (w.format.code, CTYPE[dtype])
+    bias = weights.bias is not None
+    arrays = fc2_arrays(x, weights, routing, out)
+    if act is None:
+        spec = _spec(cfg, "fc2", (*head, bias))
+    else:
+        spec = _spec(cfg, "fc1_single", (*head, act.kind.code, bias))
+        arrays = (x, routing.sorted_rows, *arrays[1:])
     col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
     slots, smem, grid = _plan(spec, cfg, w.format.code, routing, rows, col_blocks)
+    tail = (np.int32(top_k),) if act is not None else ()
     launch(
         spec,
         grid,
         cfg.threads,
         (
-            *fc2_arrays(h, weights, routing, out),
+            *arrays,
             np.int32(w.n_experts),
             np.int32(slots),
             np.int32(w.n),
             np.int32(w.k),
             np.int32(chunk_count(w.k)),
+            *tail,
             np.int32(shift),
         ),
         shared_mem=smem,
@@ -435,9 +482,9 @@ def gemm_fc2(
 
 
 def kernel_specs() -> list[KernelSpec]:
-    """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc2` can select: 2 formats x 2 dtypes
-    x 2 (bias) x (FC2 + 3 FC1 activations) x (len(GEMM_TILINGS) mma.sync tilings +
-    len(WGMMA_TILINGS) wgmma tilings for sm_90a)."""
+    """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc1_single` / :func:`gemm_fc2` can
+    select: 2 formats x 2 dtypes x 2 (bias) x (FC2 + 3 gated and 4 non-gated FC1 activations) x
+    (len(GEMM_TILINGS) mma.sync tilings + len(WGMMA_TILINGS) wgmma tilings for sm_90a)."""
     specs = []
     for fmt in Fp4Format:
         for dtype in ACTIVATION_DTYPES:
@@ -447,5 +494,8 @@ def kernel_specs() -> list[KernelSpec]:
                 configs += [WgmmaConfig(*t) for t in WGMMA_TILINGS]
                 for cfg in configs:
                     specs.append(_spec(cfg, "fc2", (*head, bias)))
-                    specs += [_spec(cfg, "fc1", (*head, act.code, bias)) for act in Activation]
+                    specs += [
+                        _spec(cfg, "fc1" if act.gated else "fc1_single", (*head, act.code, bias))
+                        for act in Activation
+                    ]
     return specs

@@ -52,6 +52,7 @@ __all__ = [
     "fc1_arrays",
     "fc2_arrays",
     "gemv_fc1",
+    "gemv_fc1_single",
     "gemv_fc2",
     "kernel_specs",
     "prepare_fc1",
@@ -405,6 +406,7 @@ def gemv_fc1(
             np.int32(top_k),
             np.int32(shift),
             np.float32(act.alpha),
+            np.float32(act.beta),
             np.float32(act.limit),
         ),
         pdl=pdl,
@@ -430,18 +432,8 @@ def gemv_fc2(
     if rows == 0 or w.n == 0:
         return out
     cfg = _config(config, w, rows, dtype, gated=False, layout=weights.layout)
-    spec = KernelSpec(
-        "gemv_fp4",
-        "gemv_fc2",
-        (
-            w.format.code,
-            CTYPE[dtype],
-            weights.layout.value,
-            cfg.cta_n,
-            cfg.threads,
-            weights.bias is not None,
-        ),
-    )
+    head = (w.format.code, CTYPE[dtype], weights.layout.value, cfg.cta_n, cfg.threads)
+    spec = KernelSpec("gemv_fp4", "gemv_fc2", (*head, weights.bias is not None))
     active = routing.active_experts
     dependent = pdl and pdl_enabled()  # the pre-wait prefetch only in a programmatic launch
     launch(
@@ -462,11 +454,59 @@ def gemv_fc2(
     return out
 
 
-def kernel_specs() -> list[KernelSpec]:
-    """Every specialisation :func:`gemv_fc1` / :func:`gemv_fc2` can select.
+def gemv_fc1_single(
+    x: Any,
+    weights: PreparedFc2,
+    routing: Routing,
+    *,
+    act: ActivationSpec,
+    top_k: int,
+    shift: int,
+    out: Any = None,
+    config: GemvConfig | None = None,
+    pdl: bool = False,
+) -> Any:
+    """The GEMV launch of FC1 with a non-gated activation, ``h[r] = act(x[t] W[e]^T + b[e])``:
+    ``weights`` the one ``[E, I, H]`` matrix, prepared like FC2 (:func:`prepare_fc2`); ``x`` in
+    token order (arguments checked by :func:`.dispatch.fc1`)."""
+    w = weights.down
+    dtype = np.dtype(x.dtype)
+    rows = int(x.shape[0]) * top_k
+    out = device_output(out, (rows, w.n), dtype)
+    if rows == 0 or w.n == 0:
+        return out
+    cfg = _config(config, w, rows, dtype, gated=False, layout=weights.layout)
+    head = (w.format.code, CTYPE[dtype], weights.layout.value, cfg.cta_n, cfg.threads)
+    spec = KernelSpec(
+        "gemv_fp4", "gemv_fc1_single", (*head, act.kind.code, weights.bias is not None)
+    )
+    active = routing.active_experts
+    launch(
+        spec,
+        (_blocks(w.n, 16, cfg), int(active.shape[0])),
+        cfg.threads,
+        (
+            x,
+            routing.sorted_rows,
+            *fc2_arrays(x, weights, routing, out)[1:],
+            np.int32(w.n_experts),
+            np.int32(w.n),
+            np.int32(w.k),
+            np.int32(chunk_count(w.k)),
+            np.int32(top_k),
+            np.int32(shift),
+        ),
+        pdl=pdl,
+    )
+    return out
 
-    2 formats x 2 dtypes x 3 weight layouts x len(TILINGS) tilings x 2 (bias) x (FC2 + 3 FC1
-    activations).
+
+def kernel_specs() -> list[KernelSpec]:
+    """Every specialisation :func:`gemv_fc1` / :func:`gemv_fc1_single` / :func:`gemv_fc2` can
+    select.
+
+    2 formats x 2 dtypes x 3 weight layouts x len(TILINGS) tilings x 2 (bias) x (FC2 + 3 gated
+    and 4 non-gated FC1 activations).
     """
     specs = []
     for fmt in Fp4Format:
@@ -477,7 +517,11 @@ def kernel_specs() -> list[KernelSpec]:
                         head = (fmt.code, ctype, layout.value, cta_n, threads)
                         specs.append(KernelSpec("gemv_fp4", "gemv_fc2", (*head, bias)))
                         specs += [
-                            KernelSpec("gemv_fp4", "gemv_fc1", (*head, act.code, bias))
+                            KernelSpec(
+                                "gemv_fp4",
+                                "gemv_fc1" if act.gated else "gemv_fc1_single",
+                                (*head, act.code, bias),
+                            )
                             for act in Activation
                         ]
     return specs

@@ -135,14 +135,21 @@ def fc2_ref(
 def fc1_ref(
     x_sorted: Any,
     gate: Fp4Experts,
-    up: Fp4Experts,
+    up: Fp4Experts | None,
     expert_offsets: Any,
     *,
     act: ActivationSpec,
     gate_bias: Any = None,
     up_bias: Any = None,
 ) -> np.ndarray:
-    """FC1: ``act(fc2_ref(x, gate) + gate_bias, fc2_ref(x, up) + up_bias)``: float64 ``[R, I]``."""
+    """FC1: ``act(fc2_ref(x, gate) + gate_bias, fc2_ref(x, up) + up_bias)``: float64 ``[R, I]``;
+    for a non-gated ``act``, ``up=None`` and ``act(fc2_ref(x, gate) + gate_bias)``."""
+    if up is None and not act.kind.gated:
+        if not isinstance(gate, Fp4Experts):
+            raise TypeError("gate: expected Fp4Experts")
+        if up_bias is not None:
+            raise ValueError("up_bias: a non-gated FC1 has no up matrix, expected None")
+        return activation_ref(fc2_ref(x_sorted, gate, expert_offsets, bias=gate_bias), None, act)
     if not isinstance(up, Fp4Experts) or not isinstance(gate, Fp4Experts):
         raise TypeError("gate, up: expected Fp4Experts")
     if (up.n_experts, up.n, up.k) != (gate.n_experts, gate.n, gate.k):

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._runtime.backend import require_cupy
 from ..experts.dispatch import capturable, fc1, fc2
-from ..experts.gemv import prepare_fc1, prepare_fc2, scale_shift
+from ..experts.gemv import PreparedFc1, PreparedFc2, prepare_fc1, prepare_fc2, scale_shift
 from ..routing import Routing, route
 from .finalize import finalize
 
@@ -45,13 +45,19 @@ class DeviceLayer:
         cupy = require_cupy()
         self.layer = layer
         self.device_id = cupy.cuda.Device().id
-        self.fc1_weights = prepare_fc1(
-            layer.gate,
-            layer.up,
-            gate_bias=layer.gate_bias,
-            up_bias=layer.up_bias,
-            layout=layer.weight_layout,
-        )
+        self.fc1_weights: PreparedFc1 | PreparedFc2
+        if layer.up is None:  # a non-gated FC1 is one matrix per expert, laid out like FC2
+            self.fc1_weights = prepare_fc2(
+                layer.gate, bias=layer.gate_bias, layout=layer.weight_layout
+            )
+        else:
+            self.fc1_weights = prepare_fc1(
+                layer.gate,
+                layer.up,
+                gate_bias=layer.gate_bias,
+                up_bias=layer.up_bias,
+                layout=layer.weight_layout,
+            )
         self.fc2_weights = prepare_fc2(layer.down, bias=layer.fc2_bias, layout=layer.weight_layout)
         self._workspaces: dict[np.dtype, _Workspace] = {}
         self._capturable: dict[np.dtype, bool] = {}
@@ -76,9 +82,16 @@ class DeviceLayer:
         return ws
 
     def stage_calls(
-        self, x: Any, logits: Any, out: Any, *, workspace: _Workspace | None = None
+        self,
+        x: Any,
+        logits: Any,
+        out: Any,
+        *,
+        workspace: _Workspace | None = None,
+        router_weights: Any = None,
     ) -> list[Stage]:
-        """The plan of one call on fixed buffers: its stages in order, as ``(name, call)``.
+        """The plan of one call on fixed buffers: its stages in order, as ``(name, call)``;
+        ``router_weights``: the call's mixing weights (``MoELayer.__call__``), or ``None``.
 
         Eager calls run the list, graphs record it and ``stage_times`` times each entry. The plan
         is a list so that stages can be inserted: expert parallelism adds its exchanges (tokens
@@ -95,7 +108,12 @@ class DeviceLayer:
         # one before it finishes; FC2 and finalize read the routing maps before their wait, which is
         # sound because the stage before each of them ran after routing had completed.
         return [
-            ("route", lambda: route(logits, layer.router, out=routing, pdl=True)),
+            (
+                "route",
+                lambda: route(
+                    logits, layer.router, router_weights=router_weights, out=routing, pdl=True
+                ),
+            ),
             (
                 "fc1",
                 lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h, pdl=True),
@@ -104,14 +122,14 @@ class DeviceLayer:
             ("finalize", lambda: finalize(y, routing, out=out, pdl=True)),
         ]
 
-    def run(self, x: Any, logits: Any, *, out: Any = None) -> Any:
+    def run(self, x: Any, logits: Any, *, out: Any = None, router_weights: Any = None) -> Any:
         """One eager call on the current stream; allocates only ``out`` when it is not given."""
         cupy = require_cupy()
         if out is None:
             out = cupy.empty((x.shape[0], self.layer.hidden), x.dtype)
         if x.shape[0] == 0:
             return out
-        for _, call in self.stage_calls(x, logits, out):
+        for _, call in self.stage_calls(x, logits, out, router_weights=router_weights):
             call()
         return out
 

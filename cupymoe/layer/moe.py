@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The whole MoE layer: routing -> FC1 GEMV with the gated activation -> FC2 GEMV -> finalize.
+"""The whole MoE layer: routing -> FC1 GEMV with its activation -> FC2 GEMV -> finalize.
 
 ``MoELayer`` holds validated weights and options; :func:`moe_reference` composes the float64
 ``*_ref`` stages and is the oracle of every test. The GPU path runs the CUDA stages on CuPy
@@ -21,7 +21,7 @@ from ..experts.activation import Activation, ActivationSpec
 from ..experts.layouts import DEFAULT_LAYOUT, WeightLayout
 from ..experts.reference import fc1_ref, fc2_ref
 from ..formats import Fp4Experts
-from ..routing import Router, RoutingMethod, route_ref
+from ..routing import Router, RoutingMethod, check_router_weights, route_ref
 from .device import DeviceLayer
 from .eager import EagerGraphs
 from .expand import expand_ref
@@ -84,6 +84,26 @@ def _split_fc1(
     return fc1.select_rows(gate_rows), fc1.select_rows(up_rows), gate_rows, up_rows
 
 
+def _single_fc1(fc1: Any, layout: str | Fc1Layout | None, act: Activation) -> Fp4Experts:
+    """FC1 of a non-gated activation: one ``[E, I, H]`` tensor, no gate/up layout."""
+    if isinstance(fc1, tuple | list):
+        raise ValueError(
+            f"fc1: the non-gated activation {act.value!r} takes one Fp4Experts [E, I, H], "
+            "not a (gate, up) pair"
+        )
+    if not isinstance(fc1, Fp4Experts):
+        raise TypeError(
+            f"fc1: the non-gated activation {act.value!r} takes one Fp4Experts [E, I, H], "
+            f"got {type(fc1).__name__}"
+        )
+    if layout is not None:
+        raise ValueError(
+            f"fc1_layout: the non-gated activation {act.value!r} has no gate and up rows, "
+            f"got {layout!r}"
+        )
+    return fc1
+
+
 def _bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
     """A host float32 copy of a checked bias (read-only), or ``None``."""
     b = check_bias(None if value is None else to_numpy(value), name, shape)
@@ -97,27 +117,35 @@ def _bias(value: Any, name: str, shape: tuple[int, ...]) -> np.ndarray | None:
 class MoELayer:
     """One quantized MoE layer: ``out[t] = sum_j w[t, j] * FFN_{e[t, j]}(x[t])``.
 
-    ``FFN_e(x) = W2_e · act(W1gate_e · x + b_gate, W1up_e · x + b_up) + b2_e``, with block-scaled
-    E2M1 weights (:class:`~cupymoe.formats.Fp4Experts`).
+    ``FFN_e(x) = W2_e · act(W1gate_e · x + b_gate, W1up_e · x + b_up) + b2_e`` (gated
+    activations) or ``W2_e · act(W1_e · x + b1) + b2_e`` (relu, gelu, silu, identity), with
+    block-scaled E2M1 weights (:class:`~cupymoe.formats.Fp4Experts`).
 
     Parameters
     ----------
     fc1 : (Fp4Experts, Fp4Experts) or Fp4Experts
-        ``(gate, up)``, each ``[E, I, H]`` with its own global scale, or one ``[E, 2I, H]``
-        tensor with ``fc1_layout``.
+        Gated activations: ``(gate, up)``, each ``[E, I, H]`` with its own global scale, or one
+        ``[E, 2I, H]`` tensor with ``fc1_layout``. Non-gated activations: one ``[E, I, H]``
+        tensor (no ``fc1_layout``).
     fc2 : Fp4Experts
         Down projection ``[E, H, I]``.
     top_k : int
         Experts per token, ``1 <= top_k <= E``.
-    routing : {"softmax_topk", "topk_softmax", "sigmoid_grouped"}
+    routing : {"softmax_topk", "topk_softmax", "sigmoid_grouped", "sparse_mixer"}
         Router kind (see ``FORMATS.md``); ``sigmoid_grouped`` takes ``n_group``,
-        ``topk_group``, ``correction_bias`` and ``routed_scaling_factor``.
+        ``topk_group``, ``correction_bias`` and ``routed_scaling_factor``; ``sparse_mixer``
+        (ONNX Runtime's, Phi-3.5-MoE) needs ``top_k = 2`` and 8 or 16 experts (``ValueError``
+        otherwise). Separate mixing weights (ONNX Runtime's ``router_weights``) are a call
+        argument.
     renormalize : bool
         ``softmax_topk`` only: divide the ``top_k`` weights by their sum.
-    activation : {"swiglu", "geglu", "swiglu_oai"}
-        Gated activation; ``swiglu_oai`` takes ``activation_alpha`` and ``activation_limit``.
-    fc1_bias : array [E, 2I], optional
-        In fc1's row order (for a ``(gate, up)`` pair: gate rows, then up rows).
+    activation : {"swiglu", "geglu", "swiglu_oai", "relu", "gelu", "silu", "identity"}
+        FC1's activation, the first three gated; ``swiglu_oai`` (the general SwiGLU,
+        ``g * sigmoid(alpha g) * (u + beta)`` with clamp ``limit``) takes ``activation_alpha``,
+        ``activation_beta`` and ``activation_limit``.
+    fc1_bias : array [E, 2I] or [E, I], optional
+        In fc1's row order (for a ``(gate, up)`` pair: gate rows, then up rows); ``[E, I]`` for a
+        non-gated activation.
     fc2_bias : array [E, H], optional
     max_tokens : int
         Largest ``n_tokens`` per call; GPU workspaces are sized for it.
@@ -148,13 +176,20 @@ class MoELayer:
         activation: str | Activation = "swiglu",
         activation_alpha: float = 1.702,
         activation_limit: float = 7.0,
+        activation_beta: float = 1.0,
         fc1_layout: str | Fc1Layout | None = None,
         fc1_bias: Any = None,
         fc2_bias: Any = None,
         max_tokens: int = 64,
         weight_layout: WeightLayout | str = DEFAULT_LAYOUT,
     ) -> None:
-        gate, up, gate_rows, up_rows = _split_fc1(fc1, fc1_layout)
+        if not isinstance(activation, Activation):
+            activation = Activation.parse(activation)
+        up: Fp4Experts | None
+        if activation.gated:
+            gate, up, gate_rows, up_rows = _split_fc1(fc1, fc1_layout)
+        else:
+            gate, up = _single_fc1(fc1, fc1_layout, activation), None
         if not isinstance(fc2, Fp4Experts):
             raise TypeError(f"fc2: expected Fp4Experts, got {type(fc2).__name__}")
         n_experts, intermediate, hidden = gate.n_experts, gate.n, gate.k
@@ -166,8 +201,6 @@ class MoELayer:
         check_int("max_tokens", max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
-        if not isinstance(activation, Activation):
-            activation = Activation.parse(activation)
         self.router = Router(
             n_experts=n_experts,
             top_k=top_k,
@@ -178,11 +211,19 @@ class MoELayer:
             correction_bias=correction_bias,
             routed_scaling_factor=routed_scaling_factor,
         )
-        self.activation = ActivationSpec(activation, alpha=activation_alpha, limit=activation_limit)
+        self.activation = ActivationSpec(
+            activation, alpha=activation_alpha, limit=activation_limit, beta=activation_beta
+        )
+        #: FC1: ``gate`` and ``up`` (gated activations), or ``gate`` = the one matrix and
+        #: ``up = None`` (non-gated); likewise their biases.
         self.gate, self.up, self.down = gate, up, fc2
-        b1 = _bias(fc1_bias, "fc1_bias", (n_experts, 2 * intermediate))
-        self.gate_bias = None if b1 is None else np.ascontiguousarray(b1[:, gate_rows])
-        self.up_bias = None if b1 is None else np.ascontiguousarray(b1[:, up_rows])
+        if up is None:
+            self.gate_bias = _bias(fc1_bias, "fc1_bias", (n_experts, intermediate))
+            self.up_bias = None
+        else:
+            b1 = _bias(fc1_bias, "fc1_bias", (n_experts, 2 * intermediate))
+            self.gate_bias = None if b1 is None else np.ascontiguousarray(b1[:, gate_rows])
+            self.up_bias = None if b1 is None else np.ascontiguousarray(b1[:, up_rows])
         self.fc2_bias = _bias(fc2_bias, "fc2_bias", (n_experts, hidden))
         self.max_tokens = int(max_tokens)
         self.weight_layout = WeightLayout.parse(weight_layout, "weight_layout")  # before any upload
@@ -210,7 +251,8 @@ class MoELayer:
     @property
     def weight_nbytes(self) -> int:
         """Bytes of all experts' packed weights, block scales and global scales."""
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        up = 0 if self.up is None else self.up.nbytes
+        return self.gate.nbytes + up + self.down.nbytes
 
     def __repr__(self) -> str:
         return (
@@ -267,22 +309,43 @@ class MoELayer:
         return m
 
     # ---- running -----------------------------------------------------------------------------
-    def __call__(self, x: Any, router_logits: Any, *, out: Any = None, replay: bool = True) -> Any:
+    def check_router_weights(self, router_weights: Any, router_logits: Any) -> Any:
+        """Validate the mixing weights of a call (``None`` or ``[M, E]`` like the logits, float32;
+        a CuPy array C-contiguous) and return them."""
+        if router_weights is None:
+            return None
+        check_router_weights(router_weights, router_logits, self.router)
+        if is_cupy_array(router_weights) and not router_weights.flags.c_contiguous:
+            raise ValueError("router_weights: expected a C-contiguous array")
+        return router_weights
+
+    def __call__(
+        self,
+        x: Any,
+        router_logits: Any,
+        *,
+        router_weights: Any = None,
+        out: Any = None,
+        replay: bool = True,
+    ) -> Any:
         """Run the layer: ``x [M, H]`` (bf16/fp16), ``router_logits [M, E]`` -> ``[M, H]``.
 
         ``x`` and ``router_logits`` are NumPy arrays (result: NumPy), CuPy arrays (result: CuPy,
         no copies) or GPU tensors of another framework that speaks DLPack, such as torch or JAX
-        (zero-copy in and out; the result is a tensor of that framework). ``out``: the result's
-        array (NumPy or CuPy like ``x``); with CuPy arrays a loop of calls with ``out`` allocates
-        no device memory.
+        (zero-copy in and out; the result is a tensor of that framework). ``router_weights``
+        (float32 ``[M, E]``, the same kind of array; softmax_topk / topk_softmax): ONNX
+        Runtime's separate mixing tensor, the top-k is taken on ``router_logits`` and the weights
+        gathered from it. ``out``: the result's array (NumPy or CuPy like ``x``); with CuPy
+        arrays a loop of calls with ``out`` allocates no device memory.
 
         On the GPU a call replays a CUDA graph of the layer recorded on the first call with this
         token count, dtypes and current stream (:mod:`cupymoe.layer.eager`; at most
         :data:`~cupymoe.layer.eager.MAX_GRAPHS` are kept): the inputs are copied into the
         graph's buffers, the graph runs on the current stream, the output is copied into ``out``
         or a new array. ``replay=False`` launches the stages one by one instead (the path a graph
-        records; bitwise the same result). Calls on a stream that is being captured, and MXFP4
-        layers whose fp16 calls need the batched fallback, always launch the stages.
+        records; bitwise the same result). Calls with ``router_weights``, calls on a stream that
+        is being captured, and MXFP4 layers whose fp16 calls need the batched fallback always
+        launch the stages.
         """
         framework = _dlpack_framework(x)
         if framework is not None:
@@ -290,11 +353,13 @@ class MoELayer:
             result = self(
                 cupy.from_dlpack(x),
                 cupy.from_dlpack(router_logits),
+                router_weights=None if router_weights is None else cupy.from_dlpack(router_weights),
                 out=None if out is None else cupy.from_dlpack(out),
                 replay=replay,
             )
             return out if out is not None else framework.from_dlpack(result)
         m = self.check_inputs(x, router_logits)
+        router_weights = self.check_router_weights(router_weights, router_logits)
         on_device = is_cupy_array(x)
         if not on_device and not gpu_available():
             if not self._warned_reference:
@@ -304,7 +369,9 @@ class MoELayer:
                     stacklevel=2,
                 )
                 self._warned_reference = True
-            result = moe_reference(x, router_logits, self).astype(x.dtype)
+            result = moe_reference(x, router_logits, self, router_weights=router_weights).astype(
+                x.dtype
+            )
             if out is not None:
                 _check_out(out, (m, self.hidden), x.dtype, device=False)
                 out[...] = result
@@ -315,7 +382,7 @@ class MoELayer:
         ld = router_logits
         if ld.dtype == np.float64:  # the routing kernels read fp32 at most (the reference too)
             ld = ld.astype(np.float32)
-        if replay and m > 0:
+        if replay and m > 0 and router_weights is None:
             graphs = self._graphs
             if graphs is None:
                 graphs = self._graphs = EagerGraphs(self)
@@ -327,7 +394,10 @@ class MoELayer:
         # CuPy inputs are used in place (check_inputs has checked their layout).
         xd = x if on_device else cupy.asarray(np.ascontiguousarray(x))
         ld = ld if on_device else cupy.asarray(np.ascontiguousarray(ld))
-        result = self.device_layer().run(xd, ld, out=out if on_device else None)
+        rw = router_weights
+        if rw is not None and not on_device:
+            rw = cupy.asarray(np.ascontiguousarray(rw))
+        result = self.device_layer().run(xd, ld, out=out if on_device else None, router_weights=rw)
         if on_device:
             return result
         host = result.get()
@@ -405,7 +475,9 @@ def _check_out(out: Any, shape: tuple[int, ...], dtype: Any, *, device: bool) ->
         raise ValueError("out: expected a C-contiguous array")
 
 
-def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
+def moe_reference(
+    x: Any, router_logits: Any, layer: MoELayer, *, router_weights: Any = None
+) -> np.ndarray:
     """Float64 NumPy oracle of ``layer(x, router_logits)``: the ``*_ref`` stages composed.
 
     Parameters
@@ -414,6 +486,8 @@ def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
         bf16 / fp16 activations (NumPy or CuPy; copied to the host).
     router_logits : array [M, E]
     layer : MoELayer
+    router_weights : array [M, E], optional
+        float32 mixing weights (see :meth:`MoELayer.__call__`).
 
     Returns
     -------
@@ -435,7 +509,9 @@ def moe_reference(x: Any, router_logits: Any, layer: MoELayer) -> np.ndarray:
     x = to_numpy(x)
     logits = to_numpy(router_logits)
     layer.check_inputs(x, logits)
-    routing = route_ref(logits, layer.router)
+    mix = None if router_weights is None else to_numpy(router_weights)
+    layer.check_router_weights(mix, logits)
+    routing = route_ref(logits, layer.router, router_weights=mix)
     x_sorted = expand_ref(x, routing).astype(np.float64)
     h = fc1_ref(
         x_sorted,

@@ -82,6 +82,11 @@ class ExpertShard:
     def of(cls, layer: MoELayer, placement: ExpertPlacement, rank: int) -> ExpertShard:
         """Copy rank ``rank``'s experts out of ``layer`` (host arrays)."""
         rank = placement.check_rank(rank)
+        if layer.up is None:
+            raise ValueError(
+                f"layer: expert parallelism runs gated FC1 only, got the activation "
+                f"{layer.activation.kind.value!r}"
+            )
         mine = placement.experts_of(rank)
 
         def bias(b: np.ndarray | None) -> np.ndarray | None:

@@ -9,14 +9,25 @@ routing) and :mod:`.maps` (the GPU expert maps).
 from .maps import GPU_MAX_EXPERTS, expert_maps
 from .reference import expert_maps_ref, random_routing, route_ref, sigmoid_f32
 from .topk import route
-from .types import Router, Routing, RoutingMethod, check_device_routing
+from .types import (
+    SPARSE_MIXER_EPS,
+    SPARSE_MIXER_EXPERTS,
+    Router,
+    Routing,
+    RoutingMethod,
+    check_device_routing,
+    check_router_weights,
+)
 
 __all__ = [
     "GPU_MAX_EXPERTS",
+    "SPARSE_MIXER_EPS",
+    "SPARSE_MIXER_EXPERTS",
     "Router",
     "Routing",
     "RoutingMethod",
     "check_device_routing",
+    "check_router_weights",
     "expert_maps",
     "expert_maps_ref",
     "random_routing",

@@ -23,6 +23,18 @@
   lower group); top-k of ``c`` over the kept experts (NaN experts of kept groups rank last).
   Weights ``s_j / sum_{chosen} s * routed_scaling_factor`` (``renormalize``; 0 when the sum is
   0) or ``s_j * routed_scaling_factor``; NaN experts have ``s = 0``.
+* **sparse_mixer** (ONNX Runtime's sparse mixer top-2; ``top_k = 2``, 8 or 16 experts). The
+  choice is ``softmax_topk``'s (round ``r``'s winner is the ``r``-th largest logit). Round ``r``
+  with winner logit ``m``: expert ``i`` is masked when its logit is NaN, when it is round 1's
+  winner (in round 2), or when ``(m - x_i) > 2 eps max(|x_i|, m)`` (``eps`` = 0.01; the test is
+  made in IEEE float32: ``m - x_i`` and ``(2 eps) * max(...)`` each rounded once, ``2 eps`` =
+  ``float32(0.02)``). The weight is ``1 / sum_{unmasked} q_i`` with ``q_i = exp(x_i - m)``,
+  ``q_i = 1`` where ``x_i == m`` (so equal logits share, and ``-inf`` / ``+inf`` winners are
+  defined); a NaN winner (a row with fewer than ``r`` numbers) gets weight 0.
+* **router_weights** (ONNX Runtime's QMoE input 14: separate selection and mixing tensors). The
+  top-k is taken on the logits (``softmax_topk`` / ``topk_softmax``) and the weights are
+  gathered from ``router_weights [M, E]`` (float32) at the chosen experts; divided by their sum
+  (0 when the sum is not > 0) with ``renormalize`` or ``topk_softmax``.
 
 Weights of the GPU path equal the reference's to float32 rounding; ids and maps are exact.
 """
@@ -35,7 +47,14 @@ import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
 from .._runtime.compile import CTYPE
-from .types import Router, Routing, RoutingMethod, check_logits
+from .types import (
+    SPARSE_MIXER_EPS,
+    Router,
+    Routing,
+    RoutingMethod,
+    check_logits,
+    check_router_weights,
+)
 
 __all__ = ["expert_maps_ref", "random_routing", "route_ref", "sigmoid_f32"]
 
@@ -103,7 +122,38 @@ def _top_k_by_key(high: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-high.astype(np.int64), axis=1, kind="stable")[:, :k].astype(np.int32)
 
 
-def route_ref(logits: np.ndarray, router: Router) -> Routing:
+def _sparse_mixer_weights(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The sparse mixer's two weights per row (module notes): float64 ``[M, 2]``."""
+    nan = np.isnan(x)
+    two_eps = np.float32(2 * np.float32(SPARSE_MIXER_EPS))
+    weights = np.zeros(ids.shape, np.float64)
+    rows = np.arange(x.shape[0])
+    for r in range(ids.shape[1]):
+        m = x[rows, ids[:, r]][:, None]  # float32
+        with np.errstate(invalid="ignore", over="ignore"):
+            masked = (m - x) > two_eps * np.maximum(np.abs(x), m)  # float32 operations
+            q = np.where(x == m, 1.0, np.exp(x.astype(np.float64) - m.astype(np.float64)))
+        masked |= nan
+        if r == 1:
+            masked[rows, ids[:, 0]] = True
+        total = np.where(masked, 0.0, q).sum(axis=1)
+        ok = ~np.isnan(m[:, 0])
+        weights[:, r] = np.divide(1.0, total, out=np.zeros_like(total), where=ok)
+    return weights
+
+
+def _gathered_weights(mix: np.ndarray, ids: np.ndarray, renorm: bool) -> np.ndarray:
+    """Weights taken from the mixing tensor at the chosen experts (module notes)."""
+    sel = np.take_along_axis(mix.astype(np.float64), ids, axis=1)
+    if not renorm:
+        return sel
+    total = sel.sum(axis=1, keepdims=True)
+    return np.divide(sel, total, out=np.zeros_like(sel), where=total > 0)
+
+
+def route_ref(
+    logits: np.ndarray, router: Router, *, router_weights: np.ndarray | None = None
+) -> Routing:
     """NumPy reference of :func:`route` (float64 weights math, the kernels' exact choices).
 
     Parameters
@@ -111,6 +161,9 @@ def route_ref(logits: np.ndarray, router: Router) -> Routing:
     logits : numpy.ndarray [n_tokens, n_experts]
         float16, bfloat16 (ml_dtypes), float32 or float64 (first rounded to float32).
     router : Router
+    router_weights : numpy.ndarray [n_tokens, n_experts], optional
+        float32 mixing weights (ONNX Runtime's ``router_weights``): the top-k is taken on
+        ``logits`` and the weights gathered from here (softmax_topk / topk_softmax only).
 
     Returns
     -------
@@ -127,6 +180,8 @@ def route_ref(logits: np.ndarray, router: Router) -> Routing:
     if is_cupy_array(logits) or not isinstance(logits, np.ndarray):
         raise TypeError(f"logits: expected numpy.ndarray, got {type(logits).__name__}")
     check_logits(logits, router, _REF_DTYPES)
+    if router_weights is not None:
+        check_router_weights(router_weights, logits, router)
     x = logits.astype(np.float32)
     m_tokens, k = x.shape[0], router.top_k
     if m_tokens == 0:
@@ -155,6 +210,13 @@ def route_ref(logits: np.ndarray, router: Router) -> Routing:
             total = sel.sum(axis=1, keepdims=True)
             weights = np.divide(sel, total, out=np.zeros_like(sel), where=total > 0)
         weights = weights * router.routed_scaling_factor
+    elif router.method is RoutingMethod.SPARSE_MIXER:
+        ids = _top_k_by_key(_order_bits(x), k)
+        weights = _sparse_mixer_weights(x, ids)
+    elif router_weights is not None:
+        ids = _top_k_by_key(_order_bits(x), k)
+        renorm = router.method is RoutingMethod.TOPK_SOFTMAX or router.renormalize
+        weights = _gathered_weights(router_weights, ids, renorm)
     else:
         ids = _top_k_by_key(_order_bits(x), k)
         xd = x.astype(np.float64)

@@ -17,7 +17,15 @@ from .._runtime.backend import is_cupy_array, require_cupy
 from .._runtime.compile import CTYPE, KernelSpec
 from .._runtime.launch import cluster_supported, launch
 from .maps import GPU_MAX_EXPERTS, maps_launch
-from .types import Router, Routing, RoutingMethod, check_device_routing, check_logits
+from .types import (
+    SPARSE_MIXER_EXPERTS,
+    Router,
+    Routing,
+    RoutingMethod,
+    check_device_routing,
+    check_logits,
+    check_router_weights,
+)
 
 __all__ = [
     "FUSED_MAX_ROWS",
@@ -35,9 +43,14 @@ GPU_MAX_TOP_K = 64
 FUSED_MAX_ROWS = 64
 
 
-def _kmethod(router: Router) -> int:
+def _kmethod(router: Router, gathered: bool) -> int:
+    """The kernels' ``kMethod`` (``cuda/routing_math.cuh``)."""
     if router.method is RoutingMethod.SIGMOID_GROUPED:
         return 2
+    if router.method is RoutingMethod.SPARSE_MIXER:
+        return 3
+    if gathered:
+        return 4
     if router.method is RoutingMethod.TOPK_SOFTMAX or router.renormalize:
         return 1
     return 0
@@ -51,16 +64,26 @@ def _warp_keys(n_experts: int, top_k: int) -> int:
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`route` can launch (the maps: :func:`.maps.kernel_specs`)."""
     specs = []
+    # The sparse mixer (3) has 8 or 16 experts and k = 2: two keys per lane, never the block.
+    sparse_keys = sorted({_warp_keys(e, 2) for e in SPARSE_MIXER_EXPERTS})
     for ctype in dict.fromkeys(CTYPE.values()):
-        for method in (0, 1, 2):
-            specs.append(KernelSpec("route", "route_block", (ctype, method)))
-            for n in (1, 2, 4, 8):
+        for method in (0, 1, 2, 3, 4):
+            if method != 3:
+                specs.append(KernelSpec("route", "route_block", (ctype, method)))
+            for n in sparse_keys if method == 3 else (1, 2, 4, 8):
                 specs.append(KernelSpec("route", "route_warp", (ctype, method, n)))
                 specs.append(KernelSpec("route_fused", "route_fused", (ctype, method, n)))
     return specs
 
 
-def route(logits: Any, router: Router, *, out: Routing | None = None, pdl: bool = False) -> Routing:
+def route(
+    logits: Any,
+    router: Router,
+    *,
+    router_weights: Any = None,
+    out: Routing | None = None,
+    pdl: bool = False,
+) -> Routing:
     """Top-k routing and expert maps on the GPU; same semantics as :func:`route_ref`.
 
     Parameters
@@ -69,6 +92,9 @@ def route(logits: Any, router: Router, *, out: Routing | None = None, pdl: bool 
         float16, bfloat16 or float32; rows may be strided, the expert axis must be contiguous.
     router : Router
         ``n_experts <= 2048`` and ``top_k <= 64`` on the GPU.
+    router_weights : cupy.ndarray [n_tokens, n_experts], optional
+        C-contiguous float32 mixing weights (ONNX Runtime's ``router_weights``): the top-k is
+        taken on ``logits``, the weights gathered from here (softmax_topk / topk_softmax).
     out : Routing, optional
         Preallocated CuPy arrays with exactly the shapes and dtypes of the result, C-contiguous
         (``Routing.empty(max_tokens, E, k).prefix(M)`` gives valid views). With ``out`` no
@@ -102,20 +128,24 @@ def route(logits: Any, router: Router, *, out: Routing | None = None, pdl: bool 
         raise ValueError(f"logits: expected a row stride that is a multiple of {item} bytes")
     if m > 0 and e > 1 and logits.strides[1] != item:  # an empty array's strides mean nothing
         raise ValueError("logits: the expert axis must be contiguous")
+    if router_weights is not None:
+        check_router_weights(router_weights, logits, router)
+        if m > 0 and not router_weights.flags.c_contiguous:
+            raise ValueError("router_weights: expected a C-contiguous array")
     if out is None:
         out = Routing.empty(m, e, k, xp=cupy)
     else:
         check_device_routing(out, n_tokens=m, n_experts=e, top_k=k, name="out")
     grouped = router.method is RoutingMethod.SIGMOID_GROUPED
-    bias = router.device_bias() if grouped else None
+    bias = router.device_bias() if grouped else router_weights  # the kernels' `bias` argument
     ld = np.int64(logits.strides[0] // item if m > 1 else e)
-    kmethod, ctype = _kmethod(router), CTYPE[np.dtype(logits.dtype)]
+    kmethod, ctype = _kmethod(router, router_weights is not None), CTYPE[np.dtype(logits.dtype)]
     head = (logits, ld)
     tail = (
         np.int32(router.n_group or 1),
         np.int32(router.topk_group or 1),
         np.float32(router.routed_scaling_factor),
-        np.int32(router.renormalize),
+        np.int32(router.renormalize or router.method is RoutingMethod.TOPK_SOFTMAX),
         bias,
         out.topk_ids,
         out.topk_weights,

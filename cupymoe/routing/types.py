@@ -15,7 +15,20 @@ import numpy as np
 from .._runtime.backend import is_cupy_array, require_cupy
 from .._runtime.validate import check_device_array, check_int, parse_enum
 
-__all__ = ["Router", "Routing", "RoutingMethod", "check_device_routing", "check_logits"]
+__all__ = [
+    "SPARSE_MIXER_EPS",
+    "SPARSE_MIXER_EXPERTS",
+    "Router",
+    "Routing",
+    "RoutingMethod",
+    "check_device_routing",
+    "check_logits",
+    "check_router_weights",
+]
+
+#: ONNX Runtime's sparse mixer: its expert counts and its jitter epsilon (``jitter_eps``).
+SPARSE_MIXER_EXPERTS = (8, 16)
+SPARSE_MIXER_EPS = 0.01
 
 
 class RoutingMethod(enum.Enum):
@@ -29,6 +42,10 @@ class RoutingMethod(enum.Enum):
     #: sigmoid + correction bias, grouped top-k, weights = normalised sigmoid times
     #: ``routed_scaling_factor`` (DeepSeek-V3).
     SIGMOID_GROUPED = "sigmoid_grouped"
+    #: ONNX Runtime's sparse mixer top-2 (``use_sparse_mixer=1``, Phi-3.5-MoE): ``top_k = 2``
+    #: of 8 or 16 experts; each round's weight is the winner's softmax over the experts its
+    #: jitter mask keeps (``reference.route_ref`` states it exactly).
+    SPARSE_MIXER = "sparse_mixer"
 
     @classmethod
     def parse(cls, value: str | RoutingMethod, name: str = "routing") -> RoutingMethod:
@@ -43,6 +60,8 @@ class Router:
     ``n_group`` / ``topk_group`` / ``correction_bias`` / ``routed_scaling_factor`` are for
     ``sigmoid_grouped`` only; ``n_group=None`` means one group (no group selection) and
     ``topk_group=None`` keeps all groups. ``correction_bias`` is stored as float32 ``[E]``.
+    ``sparse_mixer`` needs ``top_k = 2`` and 8 or 16 experts (as ONNX Runtime) and ignores
+    ``renormalize``.
     """
 
     n_experts: int
@@ -63,6 +82,11 @@ class Router:
         if not 1 <= k <= e:
             raise ValueError(f"top_k: expected 1 <= top_k <= n_experts = {e}, got {k}")
         method = RoutingMethod.parse(self.method)
+        if method is RoutingMethod.SPARSE_MIXER and (k != 2 or e not in SPARSE_MIXER_EXPERTS):
+            raise ValueError(
+                f"routing: sparse_mixer needs top_k = 2 and n_experts in "
+                f"{SPARSE_MIXER_EXPERTS} (as ONNX Runtime), got top_k = {k}, n_experts = {e}"
+            )
         put("n_experts", e)
         put("top_k", k)
         put("method", method)
@@ -208,6 +232,31 @@ def check_logits(logits: Any, router: Router, dtypes: tuple[np.dtype, ...]) -> N
     if np.dtype(logits.dtype) not in dtypes:
         names = ", ".join(d.name for d in dtypes)
         raise TypeError(f"logits: expected dtype {names}, got {logits.dtype}")
+
+
+def check_router_weights(router_weights: Any, logits: Any, router: Router) -> None:
+    """Check a mixing-weights tensor (ONNX Runtime's QMoE ``router_weights``): the shape of
+    ``logits``, float32, and a router whose top-k is by logit (softmax_topk / topk_softmax)."""
+    if router.method not in (RoutingMethod.SOFTMAX_TOPK, RoutingMethod.TOPK_SOFTMAX):
+        raise ValueError(
+            f"router_weights: only with softmax_topk or topk_softmax (top-k on the logits), "
+            f"got routing {router.method.value!r}"
+        )
+    if is_cupy_array(router_weights) != is_cupy_array(logits) or not hasattr(
+        router_weights, "shape"
+    ):
+        kind = "cupy.ndarray" if is_cupy_array(logits) else "numpy.ndarray"
+        raise TypeError(
+            f"router_weights: expected a {kind} like the logits, got "
+            f"{type(router_weights).__name__}"
+        )
+    if tuple(router_weights.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"router_weights: expected the shape of the logits {tuple(logits.shape)}, "
+            f"got {tuple(router_weights.shape)}"
+        )
+    if np.dtype(router_weights.dtype) != np.float32:
+        raise TypeError(f"router_weights: expected dtype float32, got {router_weights.dtype}")
 
 
 def check_device_routing(
