@@ -113,9 +113,10 @@ def gemv_case(fmt: str, dtype, pair: bool, tiling: tuple[int, int], n: int, k: i
 
 def gemm_case(fmt: str, dtype, tiling: tuple[int, ...], n: int, k: int, m: int) -> None:  # type: ignore[no-untyped-def]
     """The grouped GEMM with a forced tiling: tail N and K, more rows per expert than a tile."""
-    from cupymoe.experts.gemm import GemmConfig
+    from cupymoe.experts.gemm import GemmConfig, WgmmaConfig
 
-    experts_case(fmt, dtype, GemmConfig(*tiling), "split", n, k, m, 2)
+    cfg = WgmmaConfig(*tiling[1:]) if tiling[0] == "wgmma" else GemmConfig(*tiling)
+    experts_case(fmt, dtype, cfg, "split", n, k, m, 2)
 
 
 def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = "") -> None:  # type: ignore[no-untyped-def]
@@ -207,6 +208,20 @@ def main() -> int:
                 lambda t=tiling, mm=m: gemm_case("nvfp4", BF16, t, 40, 176, mm),
             )
     check("gemm mxfp4 fp16", lambda: gemm_case("mxfp4", np.float16, GEMM_TILINGS[1], 48, 96, 30))
+    # The sm_90a wgmma kernel (H100 / H200 only): tails, a partial and several tiles per expert
+    # (widths 32, 64 and 128), MXFP4 with fp16.
+    from cupymoe.experts.gemm import WGMMA_TILINGS, wgmma_enabled
+
+    if wgmma_enabled():
+        for m in (6, 74, 150):
+            check(
+                f"gemm wgmma nvfp4 bf16 N=40 K=176 M={m}",
+                lambda mm=m: gemm_case("nvfp4", BF16, ("wgmma", *WGMMA_TILINGS[0]), 40, 176, mm),
+            )
+        check(
+            "gemm wgmma mxfp4 fp16",
+            lambda: gemm_case("mxfp4", np.float16, ("wgmma", *WGMMA_TILINGS[0]), 48, 96, 90),
+        )
     check("layer qwen M=40 bf16 (gemm)", lambda: layer_case("qwen3.6-35b-a3b", 40, BF16, True, 16))
     cupy.cuda.Device().synchronize()
     print(f"{len(failures)} failed checks" + (f": {failures}" if failures else ""))

@@ -1125,7 +1125,8 @@ def _gpu_gemv_cases() -> list[Case]:
         bad("fc1-x-noncontiguous", ValueError, "^x:", lambda: f1(_gz((M, 2 * H), BF16)[:, ::2])),
         bad("fc1-x-negative-strides", ValueError, "^x:", lambda: f1(g().x[::-1])),
         bad("fc1-x-misaligned", ValueError, "^x:", lambda: f1(_misaligned((M, H)))),
-        bad("fc1-weights-fc2", TypeError, "^weights:",
+        # one matrix (PreparedFc2) serves the non-gated activations only
+        bad("fc1-weights-fc2", ValueError, "^weights: the activation 'swiglu' needs PreparedFc1",
             lambda: fc1(g().x, g().fc2w, g().routing, act=SWIGLU)),
         bad("fc1-act-str", TypeError, "^act:", lambda: f1(g().x, act="swiglu")),
         bad("fc1-routing-none", TypeError, "^routing:", lambda: f1(g().x, routing=None)),
