@@ -36,7 +36,7 @@ nvrtc, out = nvrtc_module(), {}
 for spec in specs:
     prog = nvrtc.createProgram(loader.kernel_source(spec.stage), f"{spec.stage}.cu", [], [])
     nvrtc.addNameExpression(prog, spec.expression)
-    nvrtc.compileProgram(prog, offline_options(arch))
+    nvrtc.compileProgram(prog, offline_options(spec.target or arch))
     ptx = nvrtc.getPTX(prog)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     out[spec.expression] = re.sub(NAMES, "_X", ptx)

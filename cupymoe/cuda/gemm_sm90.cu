@@ -40,11 +40,12 @@
 // Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
 // (256 consumer arrivals, after the wgmma that read the slot completed). The producer writes the
 // activation rows with ordinary stores: each producer thread fences them into the async proxy
-// before it arrives. Work items, their order and the schedule scan are gemm_fp4.cu's; the
+// before it arrives. Work items, their order and the schedule scan are gemm_items.cuh's; the
 // producer runs up to kStages stages ahead across item boundaries, so one item's epilogue
 // overlaps the next item's loads.
 #include "common.cuh"
 #include "fp4_mma.cuh"
+#include "gemm_items.cuh"
 
 // The wrappers have external linkage (a named namespace): NVRTC warns about every unused
 // function of internal linkage, and each specialisation uses only its own width.
@@ -224,64 +225,6 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, ui
                  : "memory");
 }
 
-// The arguments of one launch (as gemm_fp4.cu's Params).
-struct Params {
-    const void* x;              // FC1: [tokens, k] (token order); FC2: [rows, k] (expanded order)
-    const int* row_source;      // FC1: expanded row -> token * top_k + slot; FC2: nullptr
-    const uint8_t* w0;          // FC2 weights / FC1 gate, split layout [E, tiles, chunks, rows, 16]
-    const uint8_t* w1;          // FC1 up (same layout); FC2: nullptr
-    const uint8_t* scales;      // [E, tiles, chunks, 8 * 2 * 32 / kBlock] (layouts.tile_scales)
-    const float* global0;       // [E]
-    const float* global1;       // [E] (FC1)
-    const float* bias0;         // [E, n] float32 (kBias)
-    const float* bias1;         // [E, n] float32 (FC1 with kBias)
-    const int* expert_offsets;  // [E + 1]
-    const int* active;          // [slots] expert ids with rows, padded with -1
-    void* out;                  // [rows, n] of T, expanded order
-    int n_experts, slots, n, k, chunks, top_k, scale_shift;
-    ActArgs act;
-};
-
-struct Item {
-    int e;       // expert
-    int row0;    // first expanded row of the tile
-    int rows;    // rows of the tile (1..kBN)
-    int cblock;  // column block: m-tiles cblock * kBMT ..
-};
-
-// Block-wide exclusive scan of ceil(rows / kBN) over the active slots into tile_start[0..slots].
-template <int kBN> __device__ __forceinline__ void scan_row_tiles(const Params& p, int* tile_start) {
-    __shared__ int warp_total[kThreads / 32];
-    const int per = (p.slots + kThreads - 1) / kThreads;
-    const int j0 = min((int)threadIdx.x * per, p.slots), j1 = min(j0 + per, p.slots);
-    int sum = 0;
-    for (int j = j0; j < j1; ++j) {
-        const int e = p.active[j];
-        const int rows = e >= 0 && e < p.n_experts ? p.expert_offsets[e + 1] - p.expert_offsets[e] : 0;
-        const int count = (rows + kBN - 1) / kBN;
-        tile_start[j] = count;
-        sum += count;
-    }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    int incl = sum;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-        const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-        if (lane >= d) incl += v;
-    }
-    if (lane == 31) warp_total[warp] = incl;
-    __syncthreads();
-    int run = incl - sum;
-    for (int w = 0; w < warp; ++w) run += warp_total[w];
-    for (int j = j0; j < j1; ++j) {
-        const int count = tile_start[j];
-        tile_start[j] = run;
-        run += count;
-    }
-    if (threadIdx.x == kThreads - 1) tile_start[p.slots] = run;
-    __syncthreads();
-}
-
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 struct Gemm90 {
     using Dec = Decoder<T, kSplit>;
@@ -313,20 +256,7 @@ struct Gemm90 {
     int tiles, col_blocks, ksteps, n_items;
 
     __device__ __forceinline__ Item item(int index) const {
-        const int rt = index / col_blocks;
-        int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi]
-        while (hi - lo > 1) {
-            const int mid = (lo + hi) >> 1;
-            if (tile_start[mid] <= rt) lo = mid; else hi = mid;
-        }
-        Item it;
-        it.e = p.active[lo];
-        const int begin = p.expert_offsets[it.e];
-        const int end = p.expert_offsets[it.e + 1];
-        it.row0 = begin + (rt - tile_start[lo]) * kBN;
-        it.rows = min(kBN, end - it.row0);
-        it.cblock = index - rt * col_blocks;
-        return it;
+        return decode_item<kBN>(p, tile_start, col_blocks, index);
     }
 
     // Producer group: bulk copies of weights and scales (warp 0), activation rows (all).
@@ -559,7 +489,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
     }
     // Programmatic dependent launch: as gemm_fp4.cu (FC1 waits before the maps, FC2 after).
     if constexpr (kAct != 0) cm::wait_upstream();
-    scan_row_tiles<kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
+    scan_row_tiles<kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
     G gemm{p, dyn_smem, tile_start, table, full, empty, 0, 0, 0, 0};
