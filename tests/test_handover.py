@@ -30,6 +30,7 @@ from cupymoe.formats import Fp4Format
 from cupymoe.presets import PRESETS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+NVFP4 = Fp4Format.NVFP4.code
 DEVICE = "NVIDIA H200"
 # Qwen3.6's FC1 (gate and up [256, 512, 2048]): 8 rows per expert at 256 tokens (2,048 rows)
 E, N, K = 256, 512, 2048
@@ -151,7 +152,7 @@ def test_analytic_choice(device: dict[str, Any], per_expert: float, cc: int, wan
     if want == "gemv":
         assert config == _gemv_config(rows)
     if want == "mma":
-        assert config == GemmConfig.for_rows(rows, E, fmt_code=0, max_shared=227 * 1024)
+        assert config == GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
     got = dispatch.backend_for(rows, 0, layout=WeightLayout.SPLIT, n_experts=E)
     assert got is backend  # the analytic rule of dispatch agrees
 
@@ -217,7 +218,7 @@ def test_wgmma_off_replaces_a_tuned_wgmma_entry(
 ) -> None:
     _store(128, "gemm", _wgmma())
     rows = _rows(128)
-    mma = GemmConfig.for_rows(rows, E, fmt_code=0, max_shared=227 * 1024)
+    mma = GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
     monkeypatch.setenv(ENV_WGMMA, "0")
     assert handover.choose(_weights(), rows, BF16, 0) == (Backend.GEMM, mma)
     monkeypatch.delenv(ENV_WGMMA)
@@ -249,7 +250,7 @@ def test_forced_backend_gets_its_own_tiling(device: dict[str, Any]) -> None:
     )
     # it is not: that backend's table
     rows = _rows(16)
-    want = GemmConfig.for_rows(rows, E, fmt_code=0, max_shared=227 * 1024)
+    want = GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
     assert handover.choose(_weights(), rows, BF16, 0, backend=gemm_backend) == (Backend.GEMM, want)
     assert handover.choose(_weights(), _rows(4), BF16, 0, backend=gemv_backend) == (
         Backend.GEMV,
@@ -302,7 +303,7 @@ def test_stale_entry_is_ignored_with_one_warning(
 ) -> None:
     _store(16, backend, config)
     rows = _rows(16)
-    analytic = (Backend.GEMM, GemmConfig.for_rows(rows, E, fmt_code=0, max_shared=227 * 1024))
+    analytic = (Backend.GEMM, GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024))
     with pytest.warns(UserWarning, match=match):
         assert handover.choose(_weights(), rows, BF16, 0) == analytic
     import warnings
@@ -320,7 +321,7 @@ def test_entry_without_a_backend_is_ignored(device: dict[str, Any]) -> None:
     cache.clear_cache()
     with pytest.warns(UserWarning, match="backend"):
         assert handover.choose(_weights(), _rows(16), BF16, 0)[1] == GemmConfig.for_rows(
-            _rows(16), E, fmt_code=0, max_shared=227 * 1024
+            _rows(16), E, fmt_code=NVFP4, max_shared=227 * 1024
         )
 
 

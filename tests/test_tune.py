@@ -6,13 +6,16 @@ tuners on a GPU, and the dispatch that reads what they stored."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from cupymoe.experts import cache, config, tune
+from cupymoe.experts.activation import Activation, ActivationSpec
 from cupymoe.experts.layouts import WeightLayout
 from cupymoe.formats import Fp4Format, random_fp4_gpu
 from cupymoe.presets import PRESETS
@@ -365,3 +368,125 @@ def test_tune_gemv_per_layout(layout: str, tmp_path, monkeypatch: pytest.MonkeyP
     h = cupy.asarray(np.random.default_rng(1).standard_normal((2, 128)).astype(ml_dtypes.bfloat16))
     dispatch.fc2(h, weights, routing)
     assert seen == [layout]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fc1", "fc2"])
+def test_tune_gemm_entries_drive_the_dispatch(
+    op: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tune_gemm stores a winner per bucket out of the GEMV and every tiling that runs here; a
+    dispatch call in that bucket then runs the stored backend and tiling (every candidate in
+    turn, stored by hand) and matches the float64 reference."""
+    cupy = pytest.importorskip("cupy")
+    from cupymoe._runtime.device import device_name
+    from cupymoe.experts import dispatch, gemv, handover
+    from cupymoe.experts.reference import fc1_ref, fc2_ref
+    from cupymoe.presets import random_fp4_experts
+    from cupymoe.routing import Routing, expert_maps_ref
+    from cupymoe.testing import assert_close, tolerance_for
+
+    path = tmp_path / "tune.json"
+    monkeypatch.setattr(cache, "_default_file", lambda: str(path))  # dispatch reads this file
+    cache.clear_cache()
+    e, top_k, n, k = 8, 2, 64, 256
+    got = tune.tune_gemm(
+        [(n, k)],
+        fmt="nvfp4",
+        rows_per_expert=[2, 16],
+        op=op,
+        n_experts=e,
+        top_k=top_k,
+        warmup=1,
+        repeats=3,
+        l2_defeat_bytes=1,
+    )
+    keys = {
+        b: cache.gemm_cache_key(
+            device_name=device_name(),
+            op=op,
+            fmt="nvfp4",
+            dtype=ml_dtypes.bfloat16,
+            n=n,
+            k=k,
+            n_experts=e,
+            rows_per_expert=b,
+        )
+        for b in (2, 16)
+    }
+    assert set(got) == set(keys.values())
+    assert set(json.loads(path.read_text())["entries"]) == set(got)
+    for bucket, key in keys.items():
+        entry = got[key]
+        rows = entry["tokens"] * top_k
+        code = Fp4Format.NVFP4.code
+        tilings = {tune.candidate_label(c) for c in tune.gemm_candidates(rows, e, code)}
+        assert tilings <= set(entry["candidates"])
+        assert [c.split()[0] for c in set(entry["candidates"]) - tilings] == ["gemv"]
+        assert entry["us"] == min(entry["candidates"].values())
+        assert entry["rows_per_expert"] == bucket and entry["backend"] in ("gemv", "gemm")
+
+    rng = np.random.default_rng(3)
+    mats = [random_fp4_experts(rng, e, n, k, "nvfp4") for _ in range(2 if op == "fc1" else 1)]
+    weights = gemv.prepare_fc1(*mats) if op == "fc1" else gemv.prepare_fc2(*mats)
+    n_tokens = 16 * e // top_k  # 16 rows per expert
+    ids = np.argsort(rng.random((n_tokens, e)), axis=1)[:, :top_k].astype(np.int32)
+    fields = [ids, np.full(ids.shape, 1.0 / top_k, np.float32), *expert_maps_ref(ids, e)]
+    routing = Routing(*[cupy.asarray(a) for a in fields])
+    offsets, sorted_rows = fields[2], fields[3]
+    act = ActivationSpec(Activation.SWIGLU)
+    x = rng.standard_normal((n_tokens if op == "fc1" else n_tokens * top_k, k))
+    x = x.astype(ml_dtypes.bfloat16)
+    if op == "fc1":
+        ref = fc1_ref(x[sorted_rows // top_k], mats[0], mats[1], offsets, act=act)
+    else:
+        ref = fc2_ref(x, mats[0], offsets)
+
+    seen: list[Any] = []
+
+    def spy(real: Any, *args: Any, **kw: Any) -> Any:
+        seen.append(kw["config"])
+        return real(*args, **kw)
+
+    for name in ("gemv_fc1", "gemv_fc2", "gemm_fc1", "gemm_fc2"):
+        monkeypatch.setattr(dispatch, name, functools.partial(spy, getattr(dispatch, name)))
+
+    def call() -> Any:
+        seen.clear()
+        if op == "fc1":
+            out = dispatch.fc1(cupy.asarray(x), weights, routing, act=act)
+        else:
+            out = dispatch.fc2(cupy.asarray(x), weights, routing)
+        max_rel, rms_rel = tolerance_for(ml_dtypes.bfloat16)
+        assert_close(ref, out, max_rel=max_rel, rms_rel=rms_rel, name=f"{op} {seen}")
+        (config,) = seen
+        return config
+
+    rows = n_tokens * top_k
+    gemv_cfg = gemv.default_config(
+        weights.gate if op == "fc1" else weights.down,
+        rows,
+        ml_dtypes.bfloat16,
+        gated=op == "fc1",
+        layout=WeightLayout.SPLIT,
+    )
+    winner = handover._decode(cache.tuned_gemm(**_tuned_problem(keys[16]), path=path))
+    assert call() == (winner[1] or gemv_cfg)  # the tuned winner of the bucket
+    for candidate in [gemv_cfg, *tune.gemm_candidates(rows, e, Fp4Format.NVFP4.code)]:
+        cache.store_results({keys[16]: tune._stored_choice(candidate)}, path)
+        assert call() == candidate
+
+
+def _tuned_problem(key: str) -> dict[str, Any]:
+    """The keywords of cache.tuned_gemm for a gemm key (device|gemm|op|fmt|dtype|N|K|E|bucket)."""
+    device, _, op, fmt, dtype, n, k, e, bucket = key.split("|")
+    return dict(
+        device_name=device,
+        op=op,
+        fmt=fmt,
+        dtype=dtype,
+        n=int(n),
+        k=int(k),
+        n_experts=int(e),
+        rows_per_expert=int(bucket),
+    )
