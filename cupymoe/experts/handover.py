@@ -23,10 +23,10 @@ told (an explicit ``config=`` or ``backend=`` wins over everything below). First
 The GEMV's tiling always comes from :meth:`.config.GemvConfig.for_problem` (environment > GEMV
 cache entry > table). "Rows per active expert" is ``rows / min(rows, n_experts)``: the host knows
 it without reading the routing, so every choice is capturable; a graph keeps the choice it was
-recorded with (:data:`..layer.eager.RECORDED_ONCE`).
+recorded with (``cupymoe.layer.eager.RECORDED_ONCE``).
 
-A call costs two memoised lookups (the cache file is parsed once per process): 1-2 µs of host
-time, nothing on the GPU.
+A call costs two memoised dictionary lookups (the cache file is parsed once per process) and
+nothing on the GPU; eager graphs pay it once, when they are recorded.
 """
 
 from __future__ import annotations
