@@ -2,18 +2,21 @@
 """``cupymoe`` command line: a thin click layer over library calls.
 
 Commands: ``run`` (one layer, error against the reference, time per stage), ``bench``
-(CUDA-graph replay over a stack of layers), ``tune`` (GEMV tilings into the JSON cache),
+(CUDA-graph replay over a stack of layers), ``tune`` (GEMV tilings and the GEMV/GEMM hand-over
+with the GEMM's tilings into the JSON cache),
 ``info`` (GPU, CuPy / NVRTC versions, cache paths, environment variables).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -510,15 +513,35 @@ def bench(
     "--shape",
     "shapes",
     multiple=True,
-    help="N,K of a GEMV to tune (repeatable); default: the preset's FC1 and FC2",
+    help="N,K of one matrix per expert [E, N, K] (an FC2) to tune (repeatable); default: the "
+    "preset's FC1 and FC2",
 )
 @click.option("--format", "fmt", type=click.Choice(["nvfp4", "mxfp4"]), help="weight format")
 @_dtype_option
 @click.option(
+    "--kernel",
+    type=click.Choice(["gemv", "gemm", "all"]),
+    default=None,
+    help="gemv: the GEMV tilings per row bucket; gemm: the GEMV against every grouped-GEMM "
+    "tiling per bucket of rows per expert (the hand-over); all: gemv, then gemm "
+    "[default: all on the split layout, gemv on pair / plain]",
+)
+@click.option(
     "--rows",
     default="1,2,4,8,16,32,64",
     show_default=True,
-    help="comma-separated expanded-row counts",
+    help="comma-separated expanded-row counts (--kernel gemv)",
+)
+@click.option(
+    "--rows-per-expert",
+    default=None,
+    help="comma-separated average rows per active expert (--kernel gemm) [default: 1,2,4,...,512]",
+)
+@click.option(
+    "--tokens",
+    default=None,
+    help="comma-separated token counts, for --kernel gemm instead of --rows-per-expert "
+    "(rows per expert from the top-k and experts)",
 )
 @click.option(
     "--layout",
@@ -531,18 +554,24 @@ def bench(
     "--experts",
     "experts per weight set, which sets how the rows spread (default: the preset's, else 32)",
 )
+@_count_option("--top-k", "experts per token for --kernel gemm (default: the preset's, else 8)")
 @_repeats_option(20, minimum=3)
 def tune(
     preset: str | None,
     shapes: tuple[str, ...],
     fmt: str | None,
     dtype: str,
+    kernel: str | None,
     rows: str,
+    rows_per_expert: str | None,
+    tokens: str | None,
     layout: str,
     experts: int | None,
+    top_k: int | None,
     repeats: int,
 ) -> None:
-    """Profile the GEMV tilings for the given shapes; store the winners in the tuning cache."""
+    """Profile the GEMV tilings and the GEMV/GEMM hand-over for the given shapes; store the
+    winners in the tuning cache and print the grouped-GEMM winners."""
     rows_list = _int_list(rows, "--rows")
     pairs: list[tuple[int, int, str]] = []
     for text in shapes:
@@ -554,37 +583,106 @@ def tune(
         p = PRESETS[preset]
         fmt = fmt or p.format
         experts = experts or p.n_experts
+        top_k = top_k or p.top_k
         pairs += [(p.intermediate, p.hidden, "fc1"), (p.hidden, p.intermediate, "fc2")]
     if not pairs:
         raise click.UsageError("give --preset or at least one --shape N,K")
+    split = layout == WeightLayout.SPLIT.key
+    kernel = kernel or ("all" if split else "gemv")
+    if kernel != "gemv" and not split:
+        raise click.BadParameter(
+            f"--kernel {kernel} times the grouped GEMM, which reads the split layout only; "
+            f"use --kernel gemv with --layout {layout}",
+            param_hint="--kernel",
+        )
+    experts = experts or 32
+    top_k = top_k or min(8, experts)
+    if top_k > experts:
+        raise click.BadParameter(
+            f"must be in 1..{experts} (the experts), got {top_k}", param_hint="--top-k"
+        )
+    if rows_per_expert is not None and tokens is not None:
+        raise click.UsageError("give --rows-per-expert or --tokens, not both")
+    from .experts.handover import rows_per_expert as average_rows
+    from .experts.tune import GEMM_TUNE_BUCKETS
+
+    if tokens is not None:
+        per_expert = [average_rows(t * top_k, experts) for t in _int_list(tokens, "--tokens")]
+    else:
+        default = ",".join(map(str, GEMM_TUNE_BUCKETS))
+        per_expert = [float(r) for r in _int_list(rows_per_expert or default, "--rows-per-expert")]
     _require_gpu("tune")
     from .experts.cache import cache_path
-    from .experts.tune import count_trials, tune_gemv
+    from .experts.tune import count_gemm_trials, count_trials, gemm_table, tune_gemm, tune_gemv
 
     fmt = fmt or "nvfp4"
-    total = count_trials([(n, k) for n, k, _ in pairs], rows_list=rows_list)
-    with click.progressbar(length=total, label="tuning", file=sys.stderr) as bar:
-        state = {"done": 0}
+    matrices = [(n, k) for n, k, _ in pairs]
+    if kernel in ("gemv", "all"):
+        with _tune_progress(count_trials(matrices, rows_list=rows_list), "tuning the GEMV") as step:
+            for n, k, op in pairs:
+                tune_gemv(
+                    [(n, k)],
+                    fmt=fmt,
+                    dtype=_DTYPES[dtype],
+                    rows_list=rows_list,
+                    op=op,
+                    layout=layout,
+                    n_experts=experts,
+                    repeats=repeats,
+                    progress=step,
+                )
+        click.echo(
+            f"stored {len(pairs)} GEMV shape(s) x {len(rows_list)} row buckets in {cache_path()}"
+        )
+    if kernel in ("gemm", "all"):
+        total = count_gemm_trials(
+            matrices, fmt=fmt, rows_per_expert=per_expert, n_experts=experts, top_k=top_k
+        )
+        results: dict[str, Any] = {}
+        with _tune_progress(total, "tuning the GEMV/GEMM hand-over") as step:
+            for n, k, op in pairs:
+                found = tune_gemm(
+                    [(n, k)],
+                    fmt=fmt,
+                    dtype=_DTYPES[dtype],
+                    rows_per_expert=per_expert,
+                    op=op,
+                    n_experts=experts,
+                    top_k=top_k,
+                    repeats=repeats,
+                    progress=step,
+                )
+                results.update(found)
+        click.echo(gemm_table(results))
+        click.echo(f"stored {len(results)} GEMV/GEMM entries in {cache_path()}")
 
-        def progress(done: int, _total: int, label: str) -> None:
-            bar.label = label
-            bar.update(done - state["done"])
-            state["done"] = done
 
-        for n, k, op in pairs:
-            state["done"] = 0
-            tune_gemv(
-                [(n, k)],
-                fmt=fmt,
-                dtype=_DTYPES[dtype],
-                rows_list=rows_list,
-                op=op,
-                layout=layout,
-                n_experts=experts or 32,
-                repeats=repeats,
-                progress=progress,
-            )
-    click.echo(f"stored {len(pairs)} shape(s) x {len(rows_list)} row buckets in {cache_path()}")
+@contextlib.contextmanager
+def _tune_progress(total: int, label: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on a terminal, else one line per timing on stderr; yields the tuners'
+    ``progress(done, total, label)`` callback (whose ``done`` restarts at 0 in every call)."""
+    state = {"done": 0, "base": 0}
+    bars: list[Any] = []  # the bar, on a terminal
+
+    def step(done: int, _total: int, text: str) -> None:
+        if done == 0:
+            state["base"] = state["done"]
+            return
+        now = state["base"] + done
+        if bars:
+            bars[0].label = text
+            bars[0].update(now - state["done"])
+        else:
+            click.echo(f"[{now}/{total}] {text}", err=True)
+        state["done"] = now
+
+    if not sys.stderr.isatty():
+        click.echo(f"{label}: {total} timings", err=True)
+        yield step
+        return
+    with click.progressbar(length=total, label=label, file=sys.stderr) as bar:
+        bars.append(bar)
+        yield step
 
 
 @cli.command()
@@ -619,9 +717,13 @@ def info() -> None:
             click.echo("gpu      none found; reference backend")
         cache = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
         click.echo(f"kernels  CuPy cache {cache}; sm_90a cubins {kernel_cache_dir()}")
-    from .experts.cache import cache_path
+    from .experts.cache import cache_path, summary
 
-    click.echo(f"tuning   {cache_path()}")
+    counts = summary()
+    click.echo(
+        f"tuning   {cache_path()} ({counts['gemv']} GEMV tilings, {counts['gemm']} GEMV/GEMM "
+        "hand-over entries)"
+    )
     click.echo("environment:")
     for name in (ENV_LINEINFO, ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS, ENV_WGMMA, ENV_KERNEL_CACHE):
         click.echo(f"  {name}={os.environ.get(name, '')!s:<20} ")

@@ -251,19 +251,115 @@ def test_tune_spreads_rows_over_the_presets_experts(monkeypatch: pytest.MonkeyPa
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(cli_module, "_require_gpu", lambda command: None)
     monkeypatch.setattr(tune_module, "tune_gemv", lambda shapes, **kw: calls.append(kw) or {})
+    monkeypatch.setattr(tune_module, "tune_gemm", lambda shapes, **kw: calls.append(kw) or {})
+    monkeypatch.setattr(tune_module, "count_gemm_trials", lambda shapes, **kw: 1)
     runner = CliRunner()
-    for args, experts in (
-        (["--preset", "deepseek-v3"], 256),
-        (["--preset", "gpt-oss-20b"], 32),
-        (["--preset", "deepseek-v3", "--experts", "64"], 64),
-        (["--shape", "256,512"], 32),
+    for args, experts, n_calls in (
+        (["--preset", "deepseek-v3"], 256, 4),  # FC1 and FC2, GEMV then GEMM
+        (["--preset", "gpt-oss-20b"], 32, 4),
+        (["--preset", "deepseek-v3", "--experts", "64"], 64, 4),
+        (["--shape", "256,512"], 32, 2),
     ):
         calls.clear()
         result = runner.invoke(cli, ["tune", *args, "--rows", "8"])
         assert result.exit_code == 0, result.output
+        assert len(calls) == n_calls, (args, calls)
         assert calls and all(kw["n_experts"] == experts for kw in calls), (args, calls)
     result = runner.invoke(cli, ["tune", "--preset", "deepseek-v3", "--experts", "0"])
     assert result.exit_code == 2 and "--experts" in result.output
+
+
+def _fake_tuners(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, object]]]:
+    """Record the tuners' calls (no GPU): ``(name, keywords)``; tune_gemm returns one entry."""
+    import cupymoe.cli as cli_module
+    import cupymoe.experts.tune as tune_module
+    from cupymoe.experts.cache import gemm_cache_key
+
+    calls: list[tuple[str, dict[str, object]]] = []
+
+    def fake_gemm(shapes: list[tuple[int, int]], **kw: object) -> dict[str, object]:
+        calls.append(("gemm", kw))
+        (n, k), op = shapes[0], kw["op"]
+        key = gemm_cache_key(
+            device_name="GPU",
+            op=op,
+            fmt=kw["fmt"],
+            dtype=kw["dtype"],
+            n=n,
+            k=k,
+            n_experts=kw["n_experts"],
+            rows_per_expert=1,
+        )
+        return {key: {"backend": "gemv", "tokens": 1, "candidates": {"gemv 16x128": 2.0}}}
+
+    monkeypatch.setattr(cli_module, "_require_gpu", lambda command: None)
+    monkeypatch.setattr(tune_module, "tune_gemv", lambda shapes, **kw: calls.append(("gemv", kw)))
+    monkeypatch.setattr(tune_module, "tune_gemm", fake_gemm)
+    monkeypatch.setattr(tune_module, "count_gemm_trials", lambda shapes, **kw: 1)
+    return calls
+
+
+def test_tune_help_lists_the_gemm_options() -> None:
+    result = CliRunner().invoke(cli, ["tune", "--help"])
+    assert result.exit_code == 0
+    for option in ("--kernel", "gemv|gemm|all", "--rows-per-expert", "--tokens", "--top-k"):
+        assert option in result.output
+
+
+def test_tune_kernels_and_rows_per_expert(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kernel picks the tuners (all: the GEMV first, so the GEMM meets the tuned GEMV); the
+    rows per expert come from --rows-per-expert or from --tokens through the top-k and experts;
+    the winners are printed."""
+    calls = _fake_tuners(monkeypatch)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["tune", "--preset", "qwen3.6-35b-a3b"])
+    assert result.exit_code == 0, result.output
+    assert [name for name, _ in calls] == ["gemv", "gemv", "gemm", "gemm"]
+    gemm_kw = calls[2][1]
+    from cupymoe.experts.tune import GEMM_TUNE_BUCKETS
+
+    assert gemm_kw["rows_per_expert"] == [float(b) for b in GEMM_TUNE_BUCKETS]
+    assert (gemm_kw["op"], gemm_kw["n_experts"], gemm_kw["top_k"]) == ("fc1", 256, 8)
+    assert "rows/exp" in result.output and "winner" in result.output  # the table
+    calls.clear()
+    # 16 tokens x top-8 over 256 experts: 1 row per expert; 64: 2; 4,096: 128
+    args = ["tune", "--preset", "qwen3.6-35b-a3b", "--kernel", "gemm", "--tokens", "16,64,4096"]
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert [name for name, _ in calls] == ["gemm", "gemm"]
+    assert calls[0][1]["rows_per_expert"] == [1.0, 2.0, 128.0]
+    calls.clear()
+    args = ["tune", "--shape", "256,512", "--kernel", "gemm", "--experts", "4", "--top-k", "2"]
+    result = runner.invoke(cli, [*args, "--rows-per-expert", "3,16"])
+    assert result.exit_code == 0, result.output
+    assert calls == [("gemm", calls[0][1])] and calls[0][1]["rows_per_expert"] == [3.0, 16.0]
+    assert (calls[0][1]["op"], calls[0][1]["n_experts"], calls[0][1]["top_k"]) == ("fc2", 4, 2)
+    calls.clear()
+    result = runner.invoke(cli, ["tune", "--preset", "gpt-oss-20b", "--layout", "pair"])
+    assert result.exit_code == 0, result.output
+    assert [name for name, _ in calls] == ["gemv", "gemv"]  # the GEMM reads the split layout only
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (["--kernel", "gemm", "--layout", "pair"], "split"),
+        (["--kernel", "fast"], "--kernel"),
+        (["--rows-per-expert", "4", "--tokens", "16"], "not both"),
+        (["--rows-per-expert", "0"], "--rows-per-expert"),
+        (["--rows-per-expert", "four"], "--rows-per-expert"),
+        (["--tokens", "-1"], "--tokens"),
+        (["--experts", "4", "--top-k", "9"], "--top-k"),
+        (["--top-k", "0"], "--top-k"),
+    ],
+)
+def test_tune_rejects_bad_options(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], match: str
+) -> None:
+    calls = _fake_tuners(monkeypatch)
+    result = CliRunner().invoke(cli, ["tune", "--shape", "256,512", *args])
+    assert result.exit_code == 2, result.output
+    assert match in result.output and not calls  # before any GPU work
 
 
 @pytest.mark.skipif(gpu_available(), reason="the NumPy backend's cost; a GPU runs the kernels")

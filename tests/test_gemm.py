@@ -263,6 +263,78 @@ def test_gemm_and_gemv_agree_on_both_sides_of_the_hand_over(rng: np.random.Gener
     assert bool((graph.out.view(np.uint16) == eager.view(np.uint16)).all())
 
 
+def _both_sides(limit: float, e: int, k: int) -> list[int]:
+    """Token counts of ``limit - 1``, ``limit`` and ``limit + 1`` average rows per active expert
+    (``m * k >= e``: every count is the average over all ``e`` experts)."""
+    return [max(1, round((limit + d) * e / k)) for d in (-1, 0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fc1", "fc2"])
+def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> None:
+    """One row per expert either side of each threshold of the shape's analytic hand-over
+    (:func:`.handover.hand_over_for`): the GEMV and the grouped GEMM, then the mma.sync tiling
+    and the wgmma kernel, against the reference and against each other; the automatic call
+    gives bitwise what its chosen backend gives."""
+    import cupy
+
+    from cupymoe._runtime.device import max_shared_per_block
+    from cupymoe.experts import handover
+    from cupymoe.experts.gemm import wgmma_enabled
+    from cupymoe.experts.gemv import prepare_fc1, prepare_fc2, scale_shift
+
+    e, h, i, k = 16, 256, 128, 4
+    act = ActivationSpec("swiglu")
+    if op == "fc1":
+        gate, up = (random_fp4_experts(rng, e, i, h, "nvfp4") for _ in range(2))
+        weights: Any = prepare_fc1(gate, up)
+        n, kk = i, h
+    else:
+        down = random_fp4_experts(rng, e, h, i, "nvfp4")
+        weights = prepare_fc2(down)
+        n, kk = h, i
+    hand = handover.hand_over_for(op, n, kk, e)
+
+    def run(ids: np.ndarray, x: np.ndarray, **kw: Any) -> Any:
+        routing = _device_routing(ids, e)
+        if op == "fc1":
+            return dispatch.fc1(cupy.asarray(x), weights, routing, act=act, **kw)
+        return dispatch.fc2(cupy.asarray(x), weights, routing, **kw)
+
+    def reference(ids: np.ndarray, x: np.ndarray) -> np.ndarray:
+        offsets, rows, _, _ = expert_maps_ref(ids, e)
+        if op == "fc1":
+            return fc1_ref(x[rows // k], gate, up, offsets, act=act)
+        return fc2_ref(x, down, offsets)
+
+    backends = dispatch.Backend
+    wgmma = WgmmaConfig(*WGMMA_TILINGS[-1]) if wgmma_enabled() else None
+    for limit, pair in ((hand.gemv_max, "gemv/gemm"), (hand.wgmma_min, "mma/wgmma")):
+        for m in _both_sides(limit, e, k):
+            ids = _random_ids(rng, m, k, e)
+            x = rng.standard_normal((m if op == "fc1" else m * k, kk)).astype(BF16)
+            ref = reference(ids, x)
+            if pair == "gemv/gemm":
+                outs = {"gemv": run(ids, x, backend=backends.GEMV)}
+                outs["gemm"] = run(ids, x, backend=backends.GEMM)
+            else:
+                mma = GemmConfig.for_rows(m * k, e, max_shared=max_shared_per_block())
+                outs = {"mma": run(ids, x, config=mma)}
+                if wgmma is not None:
+                    outs["wgmma"] = run(ids, x, config=wgmma)
+            for name, out in outs.items():
+                _close(ref, out, BF16, f"{op} {name} M={m} ({m * k / e:g} rows per expert)")
+            first, *others = outs.values()
+            for other in others:  # the two sides of the hand-over agree with each other
+                _close(first, other, BF16, f"{op} {pair} M={m}", roundings=2)
+            # the automatic choice runs exactly one of the two
+            shift = scale_shift(weights, BF16)
+            chosen, config = handover.choose(weights, m * k, BF16, shift)
+            auto = run(ids, x)
+            again = run(ids, x, backend=chosen, config=config)
+            assert bool((auto.view(np.uint16) == again.view(np.uint16)).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("preset", "m"),

@@ -4,9 +4,11 @@
 Bottom to top: :mod:`.activation` and :mod:`.layouts` (the ``WeightLayout`` the GEMV reads and
 its transforms), :mod:`.reference` (``fc1_ref`` / ``fc2_ref``), :mod:`.cache` and
 :mod:`.config` (the GEMV's tilings: pure tables, the tuned entries read from the cache),
-the backends :mod:`.gemv` (tensor-core GEMV) and :mod:`.batched` (dequantize :mod:`.dequant` +
-cuBLAS), :mod:`.dispatch` (which backend runs a call: ``fc1`` / ``fc2``), and on top
-:mod:`.tune` (imported by nothing in the package but the CLI).
+the backends :mod:`.gemv` (tensor-core GEMV), :mod:`.gemm` (grouped tensor-core GEMM) and
+:mod:`.batched` (dequantize :mod:`.dequant` + cuBLAS), :mod:`.handover` (which backend and
+tiling a call gets unless told: environment, tuning cache, the per-shape hand-over table),
+:mod:`.dispatch` (``fc1`` / ``fc2``: checks, then the chosen backend), and on top :mod:`.tune`
+(imported by nothing in the package but the CLI).
 """
 
 from .activation import Activation, ActivationSpec, activation_ref

@@ -1,27 +1,48 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GEMV tuning cache: a JSON file of the fastest tiling per problem (written by :mod:`.tune`).
+"""The tuning cache: a JSON file of measured winners (written by :mod:`.tune`), two kinds of entry.
 
-The cache (:func:`cache_path`, ``$XDG_CACHE_HOME/cupymoe/gemv_tune.json``) maps
-``device | op | layout | format | dtype | N | K | row bucket`` (op: ``fc1`` or ``fc2``; layout:
-the weight layout the kernel reads, :attr:`.layouts.WeightLayout.key`) to the winning
-:class:`~.config.GemvConfig` fields and its time. ``GemvConfig.for_problem`` consults
-it (:func:`tuned_fields`) after the ``CUPYMOE_GEMV_CONFIG`` override and before the
-analytic table, so tuning is never required. A missing, unreadable or outdated file is ignored
-(with one warning per file) and the analytic table applies.
+The cache (:func:`cache_path`, ``$XDG_CACHE_HOME/cupymoe/gemv_tune.json``; one file for both
+kinds) holds
+
+* **GEMV tilings**, keyed ``device | op | layout | format | dtype | N | K | row bucket``
+  (:func:`cache_key`; op: ``fc1`` for gate + up, ``fc2`` for one matrix per expert; layout: the
+  weight layout the kernel reads, :attr:`.layouts.WeightLayout.key`; row bucket:
+  :func:`row_bucket` of the call's expanded rows) -> the winning
+  :class:`~.config.GemvConfig` fields. ``GemvConfig.for_problem`` consults them
+  (:func:`tuned_fields`) after the ``CUPYMOE_GEMV_CONFIG`` override and before its analytic table.
+* **Expert backends** (kind ``gemm``), keyed ``device | gemm | op | format | dtype | N | K |
+  experts | rows-per-expert bucket`` (:func:`gemm_cache_key`; op as above; the bucket:
+  :func:`rows_per_expert_bucket` of the average expanded rows per active expert) -> the winning
+  backend (``gemv`` or ``gemm``), for ``gemm`` its tiling tagged by kernel (``mma``:
+  :class:`~.gemm.GemmConfig` fields; ``wgmma``: :class:`~.gemm.WgmmaConfig` fields), its µs and
+  every candidate's µs. :func:`.handover.choose` consults them (:func:`tuned_gemm`) between the
+  environment and the analytic hand-over table. Only the SPLIT layout has them: the grouped
+  GEMM reads no other.
+
+Tuning is never required. A missing, unreadable or outdated file is ignored (with one warning per
+file) and the analytic tables apply; so is an entry that no longer makes a valid config (warned
+by the reader that builds the config).
 
 File layout (``version`` changes whenever the meaning of an entry changes)::
 
-    {"version": 3,
+    {"version": 4,
      "entries": {"NVIDIA H200|fc1|split|nvfp4|bfloat16|512|2048|8":
-                     {"config": {"cta_n": 64, "threads": 128}, "us": 16.7, "op": "fc1"}}}
+                     {"config": {"cta_n": 64, "threads": 128}, "us": 16.7, "op": "fc1"},
+                 "NVIDIA H200|gemm|fc1|nvfp4|bfloat16|512|2048|256|32":
+                     {"backend": "gemm", "config": {"kind": "mma", "warps_m": 4, "warps_n": 1,
+                      "mt": 2, "nt": 4, "stages": 4}, "us": 251.0,
+                      "candidates": {"gemv": 402.3, "mma 4x1x2x4x4": 251.0, ...}}}}
 
 Version 2: the tensor-core kernels (tilings of 16-row m-tiles) and the op in the key (FC1 and FC2
 of one shape, gpt-oss's 2880 x 2880, are different problems). Version 3: the weight layout in
-the key (the split copy and the native bytes are different kernels).
+the key (the split copy and the native bytes are different kernels). Version 4: the ``gemm``
+entries. A version 3 file holds GEMV entries only, whose meaning version 4 keeps: it is read
+as it is (:data:`READABLE_VERSIONS`) and rewritten as version 4 by the next store.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import os
@@ -38,28 +59,56 @@ from .layouts import WeightLayout
 __all__ = [
     "BUCKETS",
     "CACHE_VERSION",
+    "GemmChoice",
     "OPS",
+    "READABLE_VERSIONS",
+    "ROWS_PER_EXPERT_BUCKETS",
     "cache_key",
     "cache_path",
     "clear_cache",
     "dtype_name",
+    "gemm_cache_key",
     "row_bucket",
+    "rows_per_expert_bucket",
     "store_results",
+    "summary",
     "tuned_fields",
+    "tuned_gemm",
 ]
 
-#: Version of the file layout and entry meaning; files of another version are ignored.
-CACHE_VERSION = 3
+#: Version of the file layout and entry meaning, written by :func:`store_results`.
+CACHE_VERSION = 4
+#: Versions read; files of any other version are ignored. Version 3 files hold GEMV entries of
+#: the meaning version 4 keeps (version 4 only adds the ``gemm`` kind).
+READABLE_VERSIONS = (3, 4)
 
 OPS = ("fc1", "fc2")
 #: Row buckets (expanded rows of one GEMV call; larger GEMV calls use the 64-row entry).
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+#: Buckets of the average expanded rows per active expert (``gemm`` entries): powers of two, so
+#: that a bucket spans at most a factor of two and every tile width of the kernels (bn 16, 32,
+#: 128) and every threshold of the analytic tables (8, 64, 256 rows per expert) is a bucket edge:
+#: no bucket straddles a hand-over of the analytic rule. Up to 2,048: gpt-oss-20b (32 experts,
+#: top-4) at a prefill chunk of 16,384 tokens; above it the 2,048 entry serves (every block tile
+#: is full there, and the kernels' cost grows in proportion to the rows).
+ROWS_PER_EXPERT_BUCKETS: tuple[int, ...] = tuple(2**i for i in range(12))
 
 
 def cache_path() -> pathlib.Path:
     """``$XDG_CACHE_HOME/cupymoe/gemv_tune.json`` (``~/.cache/cupymoe/gemv_tune.json``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "cupymoe" / "gemv_tune.json"
+    return pathlib.Path(_default_file())
+
+
+def _default_file() -> str:
+    """:func:`cache_path` as text, built once per value of the two variables it reads (the
+    lookups of every expert call ask for it)."""
+    return _file_for(os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+
+
+@functools.lru_cache(maxsize=8)
+def _file_for(xdg_cache_home: str | None, home: str | None) -> str:
+    base = xdg_cache_home or os.path.join(os.path.expanduser("~"), ".cache")
+    return str(pathlib.Path(base) / "cupymoe" / "gemv_tune.json")
 
 
 def row_bucket(rows: int) -> int:
@@ -73,6 +122,25 @@ def row_bucket(rows: int) -> int:
     if isinstance(rows, bool) or not isinstance(rows, int | np.integer) or rows < 1:
         raise ValueError(f"rows: expected an integer >= 1, got {rows!r}")
     return next((b for b in BUCKETS if rows <= b), BUCKETS[-1])
+
+
+def rows_per_expert_bucket(per_expert: float) -> int:
+    """The smallest bucket of :data:`ROWS_PER_EXPERT_BUCKETS` holding ``per_expert`` (the
+    average expanded rows per active expert, a fraction in general); above 2,048 the last.
+
+    A bucket's winner is profiled at the bucket's own value, the largest average it serves.
+
+    >>> [rows_per_expert_bucket(r) for r in (0.5, 1, 1.5, 8, 8.01, 100, 10**5)]
+    [1, 1, 2, 8, 16, 128, 2048]
+    """
+    if (
+        isinstance(per_expert, bool)
+        or not isinstance(per_expert, int | float | np.number)
+        or not per_expert > 0  # also NaN
+    ):
+        raise ValueError(f"per_expert: expected a number > 0, got {per_expert!r}")
+    index = bisect.bisect_left(ROWS_PER_EXPERT_BUCKETS, per_expert)
+    return ROWS_PER_EXPERT_BUCKETS[min(index, len(ROWS_PER_EXPERT_BUCKETS) - 1)]
 
 
 def _format_name(fmt: Any) -> str:
@@ -114,6 +182,45 @@ def cache_key(
     )
 
 
+def gemm_cache_key(
+    *,
+    device_name: str,
+    op: str,
+    fmt: Any,
+    dtype: Any,
+    n: int,
+    k: int,
+    n_experts: int,
+    rows_per_expert: float,
+) -> str:
+    """The key of a ``gemm`` entry:
+    ``"<device>|gemm|<op>|<format>|<dtype>|<N>|<K>|<experts>|<rows-per-expert bucket>"``.
+
+    ``op``: ``"fc1"`` (gate and up, N = intermediate) or ``"fc2"`` (one matrix per expert: FC2,
+    and FC1 of a non-gated activation), as in :func:`cache_key`; ``rows_per_expert``: the average
+    expanded rows per active expert, mapped with :func:`rows_per_expert_bucket`.
+
+    >>> gemm_cache_key(device_name="NVIDIA H200", op="fc1", fmt="nvfp4", dtype="bfloat16",
+    ...                n=512, k=2048, n_experts=256, rows_per_expert=20.5)
+    'NVIDIA H200|gemm|fc1|nvfp4|bfloat16|512|2048|256|32'
+    """
+    if op not in OPS:
+        raise ValueError(f"op: expected 'fc1' or 'fc2', got {op!r}")
+    return "|".join(
+        (
+            str(device_name),
+            "gemm",
+            op,
+            _format_name(fmt),
+            dtype_name(dtype),
+            str(int(n)),
+            str(int(k)),
+            str(int(n_experts)),
+            str(rows_per_expert_bucket(rows_per_expert)),
+        )
+    )
+
+
 # ---- reading ------------------------------------------------------------------------------------
 def _read_entries(path: pathlib.Path) -> dict[str, Any] | None:
     """Entries of a valid file; ``None`` (after one warning) for an unusable one or no file."""
@@ -132,10 +239,10 @@ def _read_entries(path: pathlib.Path) -> dict[str, Any] | None:
     if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
         warnings.warn(f"cupymoe tune cache {path}: no 'entries' table; ignoring it", stacklevel=3)
         return None
-    if data.get("version") != CACHE_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         warnings.warn(
-            f"cupymoe tune cache {path}: version {data.get('version')!r}, expected "
-            f"{CACHE_VERSION}; ignoring it (run `cupymoe tune` again)",
+            f"cupymoe tune cache {path}: version {data.get('version')!r}, expected one of "
+            f"{list(READABLE_VERSIONS)}; ignoring it (run `cupymoe tune` again)",
             stacklevel=3,
         )
         return None
@@ -170,13 +277,72 @@ def tuned_fields(
     Memoised: the file is parsed once per process (again after :func:`store_results` /
     :func:`clear_cache`). A missing or corrupt file means "no entry".
     """
-    found = _lookup(str(path or cache_path()), tuple(sorted(problem.items())))
+    found = _lookup(str(path) if path else _default_file(), tuple(sorted(problem.items())))
     return None if found is None else dict(found)
+
+
+#: A stored ``gemm`` choice as the lookups return it: the backend (``"gemv"``, ``"gemm"``; ``""``
+#: for an entry without one) and the config fields, sorted (hashable, so its decoding memoises).
+GemmChoice = tuple[str, tuple[tuple[str, Any], ...]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup_gemm(path: str, *problem: Any) -> GemmChoice | None:
+    names = ("device_name", "op", "fmt", "dtype", "n", "k", "n_experts", "rows_per_expert")
+    entry = _entries(path).get(gemm_cache_key(**dict(zip(names, problem, strict=True))))
+    if entry is None:
+        return None
+    if not isinstance(entry, dict) or not isinstance(entry.get("backend"), str):
+        return ("", ())
+    fields = entry.get("config")
+    return (entry["backend"], tuple(sorted(fields.items())) if isinstance(fields, dict) else ())
+
+
+def tuned_gemm(
+    *,
+    device_name: str,
+    op: str,
+    fmt: Any,
+    dtype: Any,
+    n: int,
+    k: int,
+    n_experts: int,
+    rows_per_expert: float,
+    path: str | os.PathLike[str] | None = None,
+) -> GemmChoice | None:
+    """The stored choice of a ``gemm`` problem (the keywords of :func:`gemm_cache_key`):
+    ``("gemm", (("bn", 128), ("kind", "wgmma"), ("stages", 4)))`` or ``("gemv", ())``; ``None``
+    when the cache has no entry; ``("", ())`` for an entry without a backend.
+
+    The fields are not validated here (:func:`.handover.tuned_choice` builds the config and warns
+    about a stale one). Memoised per bucket: a call costs a dictionary lookup (the file is parsed
+    once per process, again after :func:`store_results` / :func:`clear_cache`).
+    """
+    return _lookup_gemm(
+        str(path) if path else _default_file(),
+        device_name,
+        op,
+        fmt,
+        dtype,
+        n,
+        k,
+        n_experts,
+        rows_per_expert_bucket(rows_per_expert),
+    )
+
+
+def summary(path: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """How many entries of each kind the cache file holds: ``{"gemv": 12, "gemm": 40}`` (both 0
+    for a missing or unusable file)."""
+    entries = _entries(str(path or cache_path()))
+    gemm = sum(1 for key in entries if key.split("|")[1:2] == ["gemm"])
+    return {"gemv": len(entries) - gemm, "gemm": gemm}
 
 
 def clear_cache() -> None:
     """Forget the memoised file contents (the next lookup reads the file again)."""
     _lookup.cache_clear()
+    _lookup_gemm.cache_clear()
     _entries.cache_clear()
 
 

@@ -1,11 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which backend runs an expert call: the seam where every expert GEMM backend is chosen.
 
-``fc1`` / ``fc2`` check their arguments once, then :func:`backend_for` picks the backend:
+``fc1`` / ``fc2`` check their arguments once, then pick the backend and its tiling: an explicit
+``config=`` or ``backend=`` first, else :func:`.handover.choose` (environment > tuning cache >
+the analytic hand-over table, :data:`.handover.HAND_OVERS`):
 
-* :attr:`Backend.GEMV` (:mod:`.gemv`): up to :data:`GEMV_MAX_ROWS_PER_EXPERT` expanded rows per
-  active expert on the SPLIT layout, and every call on the PLAIN and PAIR layouts (which the
-  grouped GEMM does not read);
+* :attr:`Backend.GEMV` (:mod:`.gemv`): few expanded rows per active expert on the SPLIT layout
+  (up to :data:`GEMV_MAX_ROWS_PER_EXPERT` by default), and every call on the PLAIN and PAIR
+  layouts (which the grouped GEMM does not read);
 * :attr:`Backend.GEMM` (:mod:`.gemm`): the grouped tensor-core GEMM, above that on SPLIT;
 * :attr:`Backend.BATCHED` (:mod:`.batched`): dequantize the active experts, then cuBLAS; only
   for MXFP4 weights with fp16 activations whose block scales span more than the tensor-core
@@ -18,7 +20,6 @@ fallback rebuilds row-major copies of it per call.
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
 from .._runtime.backend import is_cupy_array
@@ -29,40 +30,30 @@ from .batched import fc1_batched, fc2_batched
 from .config import GemvConfig
 from .gemm import GemmConfig, WgmmaConfig, gemm_fc1, gemm_fc1_single, gemm_fc2
 from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc1_single, gemv_fc2, scale_shift
+from .handover import DEFAULT_HAND_OVER, GEMV_MAX_ROWS_PER_EXPERT, Backend, HandOver, choose
 from .layouts import WeightLayout
 
 __all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "Backend", "backend_for", "capturable", "fc1", "fc2"]
 
-#: Average expanded rows per active expert up to which the GEMV serves a call on the SPLIT
-#: layout: one pass of 8 rows per expert, each expert's weights read once. Above it the grouped
-#: GEMM, which shares each decoded weight tile among up to 128 rows. Measured on the H200 (FC1 +
-#: FC2 graph replays over HBM-resident weights, µs, GEMV / GEMM): Qwen3.6 M = 16 (1 row per
-#: expert) 63 / 89, M = 64 (2) 122 / 171; gpt-oss M = 16 (2) 109 / 166, M = 64 (8) 182 / 199;
-#: DeepSeek-V3 M = 16 (1) 632 / 853, M = 64 (2) 1,331 / 1,835.
-GEMV_MAX_ROWS_PER_EXPERT = 8
 
-
-class Backend(enum.Enum):
-    """An implementation of the expert GEMMs."""
-
-    #: The tensor-core GEMV (:mod:`.gemv`): few rows per expert, capturable.
-    GEMV = "gemv"
-    #: The grouped tensor-core GEMM (:mod:`.gemm`): many rows per expert, capturable.
-    GEMM = "gemm"
-    #: Dequantize + cuBLAS (:mod:`.batched`): MXFP4 scales the tensor cores cannot fold.
-    BATCHED = "batched"
-
-
-def backend_for(rows: int, shift: int | None, *, layout: WeightLayout, n_experts: int) -> Backend:
-    """The backend of a call with ``rows`` expanded rows over ``n_experts`` experts; ``shift``
+def backend_for(
+    rows: int,
+    shift: int | None,
+    *,
+    layout: WeightLayout,
+    n_experts: int,
+    hand_over: HandOver = DEFAULT_HAND_OVER,
+) -> Backend:
+    """The analytic backend of a call with ``rows`` expanded rows over ``n_experts`` experts
+    (no tuning cache): the GEMV up to ``hand_over.gemv_max`` rows per active expert; ``shift``
     is the MXFP4 scale shift (:func:`.gemv.scale_shift`), ``None`` when the tensor-core decode
-    cannot fold the scales exactly."""
+    cannot fold the scales exactly. A call's own choice is :func:`.handover.choose`."""
     if shift is None:
         return Backend.BATCHED
     if layout is not WeightLayout.SPLIT:
         return Backend.GEMV
     per_expert = rows / max(1, min(rows, n_experts))
-    return Backend.GEMV if per_expert <= GEMV_MAX_ROWS_PER_EXPERT else Backend.GEMM
+    return Backend.GEMV if per_expert <= hand_over.gemv_max else Backend.GEMM
 
 
 def capturable(shift: int | None) -> bool:
@@ -104,6 +95,32 @@ def _choose(
     )
 
 
+def _resolve(
+    weights: PreparedFc1 | PreparedFc2,
+    rows: int,
+    dtype: Any,
+    shift: int | None,
+    backend: Backend | None,
+    config: Any,
+) -> tuple[Backend, GemvConfig | None, GemmConfig | WgmmaConfig | None]:
+    """The backend and tiling of a call: :func:`_choose` checks what the caller gave; what it
+    left open :func:`.handover.choose` fills in (the automatic choice, or the tiling of a forced
+    backend)."""
+    if backend is None and config is None:
+        chosen, tiling = choose(weights, rows, dtype, shift)
+    else:
+        automatic = Backend.BATCHED if shift is None else Backend.GEMV  # only BATCHED is read
+        chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+        if config is not None:
+            return chosen, gemv_cfg, gemm_cfg
+        chosen, tiling = choose(weights, rows, dtype, shift, backend=chosen)
+    return (
+        chosen,
+        tiling if isinstance(tiling, GemvConfig) else None,
+        tiling if isinstance(tiling, GemmConfig | WgmmaConfig) else None,
+    )
+
+
 def fc1(
     x: Any,
     weights: PreparedFc1 | PreparedFc2,
@@ -130,13 +147,14 @@ def fc1(
     act : ActivationSpec
     out : cupy.ndarray, optional
         ``[n_tokens * top_k, intermediate]`` of ``x.dtype``.
-    config : GemvConfig or GemmConfig, optional
-        A tiling; it also selects its backend (a GemvConfig runs the GEMV, a GemmConfig the
-        GEMM). Default: :func:`backend_for` and that backend's table
-        (:meth:`GemvConfig.for_problem` / :meth:`GemmConfig.for_rows`).
+    config : GemvConfig, GemmConfig or WgmmaConfig, optional
+        A tiling; it also selects its backend (a GemvConfig runs the GEMV, a GemmConfig or
+        WgmmaConfig the GEMM). Default: :func:`.handover.choose`, the tuned entry of the
+        problem (``cupymoe tune``) or the analytic hand-over, and that backend's tiling.
     backend : Backend, optional
-        Force a backend (benchmarks and tests). The GEMM needs the SPLIT layout; MXFP4 scales
-        the tensor cores cannot fold need the batched backend (``ValueError`` otherwise).
+        Force a backend (benchmarks and tests); its tiling is then the tuned one when the
+        cache's winner is that backend, else its table. The GEMM needs the SPLIT layout; MXFP4
+        scales the tensor cores cannot fold need the batched backend (``ValueError`` otherwise).
     pdl : bool
         A programmatic dependent launch (:mod:`cupymoe._runtime.launch`): the blocks build their
         scale tables while the previous kernel finishes and wait for it before they read the
@@ -173,8 +191,7 @@ def fc1(
     n_tokens, top_k = check_device_routing(routing, n_tokens=int(x.shape[0]), n_experts=g.n_experts)
     shift = scale_shift(weights, dtype)
     rows = n_tokens * top_k
-    automatic = backend_for(rows, shift, layout=weights.layout, n_experts=g.n_experts)
-    chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+    chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
     if chosen is Backend.BATCHED and isinstance(weights, PreparedFc2):
         return fc1_batched(
             x, weights.device_fp4(), None, routing, act=act, gate_bias=weights.bias, out=out
@@ -261,8 +278,7 @@ def fc2(
     rows = n_tokens * top_k
     dtype = check_activations(h, "h", w.k, rows, aligned=True)
     shift = scale_shift(weights, dtype)
-    automatic = backend_for(rows, shift, layout=weights.layout, n_experts=w.n_experts)
-    chosen, gemv_cfg, gemm_cfg = _choose(backend, config, automatic)
+    chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
     if chosen is Backend.BATCHED:
         return fc2_batched(h, weights.device_fp4(), routing, bias=weights.bias, out=out)
     assert shift is not None  # the tensor-core backends fold the scales

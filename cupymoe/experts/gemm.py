@@ -258,13 +258,19 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def default_config(rows: int, n_experts: int, fmt_code: int) -> GemmConfig | WgmmaConfig:
-    """The tiling a call gets when none is given: the wgmma kernel (bn 128) where
-    :func:`wgmma_enabled` and the average rows per active expert exceed
-    :data:`WGMMA_MIN_ROWS_PER_EXPERT`, else :meth:`GemmConfig.for_rows` within the current
-    device's shared memory."""
+def default_config(
+    rows: int,
+    n_experts: int,
+    fmt_code: int,
+    *,
+    wgmma_min: float = WGMMA_MIN_ROWS_PER_EXPERT,
+) -> GemmConfig | WgmmaConfig:
+    """The analytic tiling of a call: the wgmma kernel (bn 128) where :func:`wgmma_enabled` and
+    the average rows per active expert exceed ``wgmma_min`` (the shape's threshold,
+    :func:`.handover.hand_over_for`; default :data:`WGMMA_MIN_ROWS_PER_EXPERT`), else
+    :meth:`GemmConfig.for_rows` within the current device's shared memory."""
     per_expert = rows / max(1, min(rows, n_experts))
-    if per_expert > WGMMA_MIN_ROWS_PER_EXPERT and wgmma_enabled():
+    if per_expert > wgmma_min and wgmma_enabled():
         return WgmmaConfig(*WGMMA_TILINGS[-1])
     return GemmConfig.for_rows(
         rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()

@@ -37,10 +37,9 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
-from ..experts.dispatch import Backend, backend_for, fc1, fc2
-from ..experts.gemm import default_config as gemm_default_config
-from ..experts.gemv import default_config as gemv_default_config
+from ..experts.dispatch import fc1, fc2
 from ..experts.gemv import prepare_fc1, prepare_fc2, scale_shift
+from ..experts.handover import choose
 from ..layer import MoELayer
 from ..layer.finalize import finalize
 from ..routing import Routing, route
@@ -267,21 +266,12 @@ class ExpertParallelMoE:
         finally:
             nccl.groupEnd()
 
-    def _expert_choice(self, weights: Any, rows: int, dtype: Any, gated: bool) -> tuple[Any, Any]:
+    def _expert_choice(self, weights: Any, rows: int, dtype: Any) -> tuple[Any, Any]:
         """The backend and tiling the one-GPU layer uses for ``rows`` expanded rows of the world
-        (so each expert's rows meet the same kernel as on one GPU)."""
+        (so each expert's rows meet the same kernel as on one GPU): :func:`.handover.choose`
+        with the whole layer's expert count (the tuning cache's key and the hand-over)."""
         shift = scale_shift(weights, dtype)
-        lay = self.layer
-        backend = backend_for(rows, shift, layout=weights.layout, n_experts=lay.n_experts)
-        if backend is Backend.BATCHED:
-            return backend, None
-        if backend is Backend.GEMM:
-            fmt = weights.gate.format if gated else weights.down.format
-            return backend, gemm_default_config(rows, lay.n_experts, fmt.code)
-        w = weights.gate if gated else weights.down
-        return backend, gemv_default_config(
-            w, rows, dtype, gated=gated, layout=weights.layout, n_experts=lay.n_experts
-        )
+        return choose(weights, rows, dtype, shift, n_experts=self.layer.n_experts)
 
     def stage_calls(self, x: Any, logits: Any, out: Any, tokens_per_rank: int) -> list[Any]:
         """The plan of one call as ``(name, call)`` (as ``DeviceLayer.stage_calls``, with the
@@ -309,8 +299,8 @@ class ExpertParallelMoE:
         )
         h, y = ws.h[:positions], ws.y[:positions]
         rows_world = w * tokens_per_rank * k
-        choice1 = self._expert_choice(self.fc1_weights, rows_world, x.dtype, True)
-        choice2 = self._expert_choice(self.fc2_weights, rows_world, x.dtype, False)
+        choice1 = self._expert_choice(self.fc1_weights, rows_world, x.dtype)
+        choice2 = self._expert_choice(self.fc2_weights, rows_world, x.dtype)
         y_home = ws.y_home[: m * k]
 
         def pack() -> None:
