@@ -2,11 +2,13 @@
 """Eager calls as CUDA-graph replays (``cupymoe/layer/eager.py``).
 
 CPU: the LRU of graphs, the plan key, when a call cannot be a replay (a capturing stream, an
-uncapturable layer), the allocation counter. GPU: the replay against the stage-by-stage launches
-(``replay=False``) and ``MoELayer.graph``, bit for bit at every stage, for the three presets; a
-decode loop with ``out=`` allocating nothing; new token counts after others; two layers on two
-streams interleaved; strided, float64 and NumPy inputs; a call inside someone else's capture;
-``CUPYMOE_GEMV_CONFIG`` read when a graph is recorded.
+uncapturable layer), the allocation counter; on fake CUDA entry points, the hit path (the CUDA
+calls of a hit, every mismatch that declines it before any CUDA call, streams and threads, the
+LRU order). GPU: the replay against the stage-by-stage launches (``replay=False``) and
+``MoELayer.graph``, bit for bit at every stage, for the three presets; a decode loop with ``out=``
+allocating nothing; new token counts after others; two layers on two streams interleaved;
+strided, float64 and NumPy inputs; a call inside someone else's capture; ``CUPYMOE_GEMV_CONFIG``
+read when a graph is recorded.
 """
 
 from __future__ import annotations
@@ -22,7 +24,14 @@ import pytest
 import cupymoe as cm
 from cupymoe.experts.config import ENV_GEMV_CONFIG
 from cupymoe.layer import eager
-from cupymoe.layer.eager import MAX_GRAPHS, RECORDED_ONCE, EagerGraphs, GraphCache, plan_key
+from cupymoe.layer.eager import (
+    MAX_GRAPHS,
+    RECORDED_ONCE,
+    CudaCalls,
+    EagerGraphs,
+    GraphCache,
+    plan_key,
+)
 from cupymoe.presets import PRESETS, random_fp4_experts, random_layer_gpu
 from cupymoe.testing import AllocationCounter, assert_close, count_allocations, tolerance_for
 
@@ -149,6 +158,232 @@ def test_replay_false_and_clear_cache_before_any_gpu_call(rng: np.random.Generat
     assert a.dtype == BF16 and np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
+# ---- CPU: the hit path, on fake CUDA entry points -----------------------------------------------
+class _FakeArray:
+    """What the replay path reads of a ``cupy.ndarray``; addresses from a counter (512-aligned,
+    as the pool's), or given."""
+
+    next_ptr = 1 << 20
+
+    def __init__(
+        self, shape: tuple[int, ...], dtype: Any, *, ptr: int | None = None, strides: Any = None
+    ) -> None:
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.size = int(np.prod(shape))
+        self.nbytes = self.size * self.dtype.itemsize
+        self.strides = strides or tuple(int(s) for s in np.empty(shape, self.dtype).strides)
+        if ptr is None:
+            ptr = _FakeArray.next_ptr
+            _FakeArray.next_ptr += -(-max(self.nbytes, 1) // 512) * 512
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+
+class _FakeCuda:
+    """Fake CUDA entry points that log what a call would have done."""
+
+    def __init__(self, stream: int = 0x50) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.stream = _FakeStream(stream, False)
+        self.calls = CudaCalls(
+            ndarray=_FakeArray,
+            current_stream=lambda: self.stream,
+            memcpy=lambda *a: self.log.append(("memcpy", *a)),
+            memcpy2d=lambda *a: self.log.append(("memcpy2d", *a)),
+            graph_launch=lambda handle, s: self.log.append(("launch", handle, s)),
+            is_capturing=lambda s: bool(self.stream.is_capturing()),
+            synchronize=lambda: self.log.append(("synchronize",)),
+        )
+
+    def take(self) -> list[tuple[Any, ...]]:
+        log, self.log = self.log, []
+        return log
+
+
+_EXEC = 0xE0  # the fake graphs' handles: 0xE0 + recording number
+
+
+def _fake_graph(m: int, dtype: Any, logits_dtype: Any, count: list[int]) -> Any:
+    count.append(m)
+    return types.SimpleNamespace(
+        x=_FakeArray((m, H), dtype),
+        logits=[_FakeArray((m, E), logits_dtype)],
+        out=_FakeArray((m, H), dtype),
+        exec_handle=_EXEC + len(count),
+        workspaces=["ws"],
+    )
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """EagerGraphs on fake CUDA calls, recording fake graphs."""
+    cuda = _FakeCuda()
+    recorded: list[int] = []
+
+    def record(layers: Any, m: int, dtype: Any, *, logits_dtype: Any, own_workspace: bool) -> Any:
+        assert own_workspace
+        return _fake_graph(m, dtype, logits_dtype, recorded)
+
+    monkeypatch.setattr(eager, "record_graph", record)
+    graphs = EagerGraphs(_fake_layer(True), cuda=cuda.calls)
+    return types.SimpleNamespace(
+        graphs=graphs, cuda=cuda, recorded=recorded, monkeypatch=monkeypatch
+    )
+
+
+def _fake_inputs(m: int = 1, logits_dtype: Any = np.float32) -> tuple[_FakeArray, _FakeArray]:
+    return _FakeArray((m, H), BF16), _FakeArray((m, E), logits_dtype)
+
+
+def _copy_path(r: Any, x: Any, logits: Any, out: Any, stream: int = 0x50) -> list[Any]:
+    """The CUDA calls of a replay with copies of ``r``."""
+    d2d = 3
+    return [
+        ("memcpy", r.x_dst, x.data.ptr, x.nbytes, d2d, stream),
+        ("memcpy", r.logits_dst, logits.data.ptr, logits.nbytes, d2d, stream),
+        ("launch", r.graph_exec, stream),
+        ("memcpy", out.data.ptr, r.out_src, x.nbytes, d2d, stream),
+    ]
+
+
+def test_a_hit_is_two_copies_one_launch_one_copy(fake: Any) -> None:
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    g = fake.graphs
+    assert g.hit(x, logits, out) is None, "nothing recorded yet: the checked path records"
+    assert g.call_device(x, logits, out) is out and fake.recorded == [1]
+    r = g.graphs.get(plan_key(1, x.dtype, logits.dtype, 0x50))
+    assert r.graph_exec == _EXEC + 1 and g.last == {(0x50, H): r}
+    assert (r.x_dst, r.logits_dst, r.out_src) == (
+        r.graph.x.data.ptr,
+        r.graph.logits[0].data.ptr,
+        r.graph.out.data.ptr,
+    )
+    assert fake.cuda.take() == _copy_path(r, x, logits, out)
+    assert g.hit(x, logits, out) is out
+    assert fake.cuda.take() == _copy_path(r, x, logits, out)
+    result = g.hit(x, logits, None)  # without out: one new array, then the same copies
+    assert isinstance(result, _FakeArray) and result.shape == (1, H) and result.dtype == BF16
+    assert fake.cuda.take() == _copy_path(r, x, logits, result)
+
+
+def _decline_cases() -> list[Any]:
+    """Inputs that differ from the recorded (1, H) bf16 / (1, E) fp32 graph in one respect each
+    (the checked path then accepts or rejects them)."""
+    f16 = np.float16
+    return [
+        pytest.param(lambda x, lg, o: (_FakeArray((1, H), f16), lg, o), id="x-fp16"),
+        pytest.param(lambda x, lg, o: (x, _FakeArray((1, E), np.float64), o), id="logits-fp64"),
+        pytest.param(
+            lambda x, lg, o: (x, _FakeArray((1, E), np.float32, strides=(4 * E + 32, 4)), o),
+            id="logits-strided",
+        ),
+        pytest.param(
+            lambda x, lg, o: (_FakeArray((1, H), BF16, strides=(2, 2)), lg, o), id="x-strides"
+        ),
+        pytest.param(lambda x, lg, o: (_FakeArray((2, H // 2), BF16), lg, o), id="x-shape"),
+        pytest.param(
+            lambda x, lg, o: (x, _FakeArray((1, E // 2), np.float32), o), id="logits-shape"
+        ),
+        pytest.param(lambda x, lg, o: (x, _FakeArray((2, E), np.float32), o), id="logits-rows"),
+        # as many elements and the recorded strides, but half rows (a view of every other half)
+        pytest.param(
+            lambda x, lg, o: (_FakeArray((2, H // 2), BF16, strides=(2 * H, 2)), lg, o),
+            id="x-half-rows",
+        ),
+        pytest.param(
+            lambda x, lg, o: (x, _FakeArray((2, E // 2), np.float32, strides=(4 * E, 4)), o),
+            id="logits-half-rows",
+        ),
+        pytest.param(
+            lambda x, lg, o: (x, lg, _FakeArray((2, H // 2), BF16, strides=(2 * H, 2))),
+            id="out-half-rows",
+        ),
+        pytest.param(lambda x, lg, o: (x, _FakeArray((1, E), np.int32), o), id="logits-int32"),
+        pytest.param(
+            lambda x, lg, o: (x, _FakeArray((1, E // 2), np.float32, strides=(4 * E, 4)), o),
+            id="logits-narrow",
+        ),
+        pytest.param(
+            lambda x, lg, o: (x, lg, _FakeArray((1, H // 2), BF16, strides=(2 * H, 2))),
+            id="out-narrow",
+        ),
+        pytest.param(
+            lambda x, lg, o: (x, lg, _FakeArray((1, H), BF16, strides=(2, 2))), id="out-strides"
+        ),
+        pytest.param(lambda x, lg, o: (x, lg, _FakeArray((1, H), f16)), id="out-dtype"),
+        pytest.param(lambda x, lg, o: (x, lg, _FakeArray((2, H // 2), BF16)), id="out-shape"),
+        pytest.param(lambda x, lg, o: (x, lg, np.empty((1, H), BF16)), id="out-numpy"),
+        pytest.param(lambda x, lg, o: (np.empty((1, H), BF16), lg, o), id="x-numpy"),
+        pytest.param(lambda x, lg, o: (x, np.empty((1, E), np.float32), o), id="logits-numpy"),
+        pytest.param(lambda x, lg, o: (_FakeArray((), BF16), lg, o), id="x-0d"),
+    ]
+
+
+@pytest.mark.parametrize("change", _decline_cases())
+def test_a_hit_declines_anything_else_before_any_cuda_call(fake: Any, change: Any) -> None:
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    fake.graphs.call_device(x, logits, out)
+    fake.cuda.take()
+    assert fake.graphs.hit(*change(x, logits, out)) is None
+    assert fake.cuda.take() == []
+
+
+@pytest.mark.parametrize("capturing", [True, None], ids=["capturing", "query-refused"])
+def test_a_hit_declines_a_capturing_stream(fake: Any, capturing: bool | None) -> None:
+    x, logits = _fake_inputs()
+    fake.graphs.call_device(x, logits, None)
+    fake.cuda.take()
+    fake.cuda.stream = _FakeStream(0x50, capturing)
+    assert fake.graphs.hit(x, logits, None) is None
+    assert fake.cuda.take() == []
+
+
+def test_a_hit_is_per_stream_and_per_thread_on_the_per_thread_stream(fake: Any) -> None:
+    x, logits = _fake_inputs()
+    fake.graphs.call_device(x, logits, None)
+    fake.cuda.stream = _FakeStream(0x60, False)
+    assert fake.graphs.hit(x, logits, None) is None, "another stream has no graph yet"
+    fake.cuda.stream = _FakeStream(2, False)  # cudaStreamPerThread
+    fake.graphs.call_device(x, logits, None)
+    assert fake.graphs.hit(x, logits, None) is not None
+    there: list[Any] = []
+    worker = threading.Thread(target=lambda: there.append(fake.graphs.hit(x, logits, None)))
+    worker.start()
+    worker.join()
+    assert there == [None], "another thread's per-thread stream is another stream"
+
+
+def test_a_hit_keeps_the_lru_order_and_eviction_forgets_it(fake: Any) -> None:
+    g = EagerGraphs(_fake_layer(True), capacity=2, cuda=fake.cuda.calls)
+    inputs = {m: _fake_inputs(m) for m in (1, 2, 3)}
+    g.call_device(*inputs[1], None)
+    g.call_device(*inputs[2], None)
+    assert g.hit(*inputs[1], None) is not None  # 1 is now the most recently used
+    fake.cuda.take()
+    g.call_device(*inputs[3], None)  # evicts 2, not 1
+    assert ("synchronize",) in fake.cuda.take()
+    assert [k[0] for k in g.graphs.keys()] == [1, 3]
+    assert g.hit(*inputs[2], None) is None and g.hit(*inputs[1], None) is not None
+    g.clear()
+    assert g.hit(*inputs[1], None) is None and not g.last
+
+
+def test_strided_logits_are_copied_in_2d_and_not_remembered(fake: Any) -> None:
+    x = _FakeArray((3, H), BF16)
+    logits = _FakeArray((3, E), np.float32, strides=(4 * (E + 8), 4))
+    logits.flags = types.SimpleNamespace(c_contiguous=False)  # type: ignore[attr-defined]
+    g = fake.graphs
+    g.call_device(x, logits, None)
+    log = fake.cuda.take()
+    assert [e[0] for e in log] == ["memcpy", "memcpy2d", "launch", "memcpy"]
+    assert log[1][2] == 4 * E and log[1][4] == 4 * (E + 8) and log[1][6] == 3  # dpitch, spitch
+    assert not g.last, "a hit needs the recorded layout"
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 def _cupy() -> Any:
     return pytest.importorskip("cupy")
@@ -226,20 +461,11 @@ def test_replay_is_bitwise_the_stage_launches_and_the_graph(name: str, m: int) -
     stream = cupy.cuda.get_current_stream()
     recorded = layer._graphs.graphs.get(plan_key(m, xd.dtype, ld.dtype, stream.ptr))
     assert recorded is not None, "the call did not record a graph"
-    got = _stage_outputs(recorded.workspaces[0], m, layer.top_k)
+    workspace = recorded.graph.workspaces[0]
+    got = _stage_outputs(workspace, m, layer.top_k)
     assert _same(replayed, direct), f"{name} M={m}: replay != stage launches"
     for stage, value in want.items():
         assert _same(got[stage], value), f"{name} M={m}: {stage} differs (replay)"
-
-    graph = layer.graph(m, dtype=xd.dtype)  # MoELayer.graph: the layer's shared workspace
-    with graph.stream:
-        graph.x[...] = xd
-        graph.logits[0][...] = ld
-        graph.replay()
-    graph.stream.synchronize()
-    assert _same(graph.out, direct), f"{name} M={m}: LayerGraph replay != stage launches"
-    for stage, value in _stage_outputs(device.workspace(xd.dtype), m, layer.top_k).items():
-        assert _same(value, want[stage]), f"{name} M={m}: {stage} differs (LayerGraph)"
 
 
 @pytest.mark.gpu

@@ -14,6 +14,14 @@ of a graph are written by every call that replays it; a graph per stream keeps c
 different streams from racing (calls on one stream are ordered by it), and each graph has its
 intermediate buffers to itself (``record_graph(own_workspace=True)``).
 
+The hit path (:meth:`EagerGraphs.hit`). Once a stream has run a graph, the next call on that
+stream with the same token count is matched by identity and integer comparisons against a
+:class:`Replay`, which holds everything the call needs as plain ints (buffer addresses, byte
+counts, the graph's executable handle): no plan key is built, no dtype is normalised, and the
+copies and the launch are direct ``cupy.cuda.runtime`` calls. Anything unusual (another dtype,
+strided logits, a subclass, bad input) falls through to the checked path, which raises for bad
+input before any kernel runs.
+
 Read once, when a graph is recorded (:data:`RECORDED_ONCE`): the GEMV tiling override
 ``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL``, ``CUPYMOE_CLUSTERS`` and the tuning cache. A graph keeps
 the tilings and launch kinds it was recorded with until :meth:`EagerGraphs.clear`
@@ -29,18 +37,27 @@ them out again while a replay could still be reading them.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import numpy as np
 
-from .._runtime.backend import require_cupy
+from .._runtime.backend import cupy_or_none
 from .._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ..experts.config import ENV_GEMV_CONFIG
 from .graph import LayerGraph, record_graph
 
-__all__ = ["MAX_GRAPHS", "RECORDED_ONCE", "EagerGraphs", "GraphCache", "plan_key"]
+__all__ = [
+    "MAX_GRAPHS",
+    "RECORDED_ONCE",
+    "CudaCalls",
+    "EagerGraphs",
+    "GraphCache",
+    "Replay",
+    "plan_key",
+]
 
 #: Graphs kept per layer. A decode loop uses one; a server that pads to a few token counts,
 #: with one stream per request queue, a handful. Each holds its static inputs, output and
@@ -64,6 +81,91 @@ def plan_key(n_tokens: int, dtype: Any, logits_dtype: Any, stream_handle: int) -
     return (n_tokens, dtype, logits_dtype, stream_handle)
 
 
+def _hit_key(stream_handle: int, x_size: int) -> Hashable:
+    """The key of :attr:`EagerGraphs.last`: a stream (a thread's, for the per-thread default
+    stream) and ``x.size``, which is ``n_tokens * hidden`` for every input of the layer."""
+    if stream_handle == _PER_THREAD_STREAM:
+        return (stream_handle, x_size, threading.get_ident())
+    return (stream_handle, x_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaCalls:
+    """The CuPy entry points a replay calls, looked up once per layer (tests pass fakes)."""
+
+    ndarray: Any  # cupy.ndarray: its constructor allocates a result (one pool allocation)
+    current_stream: Callable[[], Any]  # cupy.cuda.get_current_stream
+    memcpy: Callable[[int, int, int, int, int], Any]  # runtime.memcpyAsync(dst, src, n, kind, s)
+    memcpy2d: Callable[..., Any]  # runtime.memcpy2DAsync
+    graph_launch: Callable[[int, int], Any]  # runtime.graphLaunch(graph_exec, stream)
+    is_capturing: Callable[[int], bool]  # runtime.streamIsCapturing(stream)
+    synchronize: Callable[[], Any]  # runtime.deviceSynchronize
+
+    @classmethod
+    def from_cupy(cls) -> CudaCalls | None:
+        """The real entry points, or ``None`` without CuPy."""
+        cupy = cupy_or_none()
+        if cupy is None:
+            return None
+        rt = cupy.cuda.runtime
+        return cls(
+            ndarray=cupy.ndarray,
+            current_stream=cupy.cuda.get_current_stream,
+            memcpy=rt.memcpyAsync,
+            memcpy2d=rt.memcpy2DAsync,
+            graph_launch=rt.graphLaunch,
+            is_capturing=rt.streamIsCapturing,
+            synchronize=rt.deviceSynchronize,
+        )
+
+
+class Replay:
+    """One recorded graph and what a call that replays it needs, precomputed.
+
+    A call matches when ``x.dtype is dtype``, ``x.strides == strides``, ``len(x) == n_tokens``,
+    the same for the logits (``logits_*``; their row count is ``n_tokens`` too) and, when given,
+    for ``out`` (``x``'s). ``x.size`` and the stream are the key it was found under. Then the
+    call copies ``x_nbytes`` to ``x_dst`` and ``logits_nbytes`` to ``logits_dst``, launches
+    ``graph_exec`` and copies ``x_nbytes`` from ``out_src``.
+    """
+
+    __slots__ = (
+        "dtype",
+        "graph",
+        "graph_exec",
+        "key",
+        "logits_dst",
+        "logits_dtype",
+        "logits_nbytes",
+        "logits_size",
+        "logits_strides",
+        "n_tokens",
+        "out_shape",
+        "out_src",
+        "strides",
+        "x_dst",
+        "x_nbytes",
+    )
+
+    def __init__(self, key: Hashable, graph: LayerGraph) -> None:
+        logits = graph.logits[0]
+        self.key = key
+        self.graph = graph  # holds the static and intermediate buffers the handles address
+        self.graph_exec: int = graph.exec_handle
+        self.n_tokens: int = int(graph.x.shape[0])
+        self.dtype = graph.x.dtype
+        self.strides: tuple[int, ...] = tuple(graph.x.strides)
+        self.logits_dtype = logits.dtype
+        self.logits_strides: tuple[int, ...] = tuple(logits.strides)
+        self.logits_size: int = int(logits.size)
+        self.x_dst: int = graph.x.data.ptr
+        self.x_nbytes: int = int(graph.x.nbytes)
+        self.logits_dst: int = logits.data.ptr
+        self.logits_nbytes: int = int(logits.nbytes)
+        self.out_src: int = graph.out.data.ptr
+        self.out_shape: tuple[int, ...] = tuple(graph.out.shape)
+
+
 class GraphCache:
     """A mapping of at most ``capacity`` entries that forgets the least recently used first.
 
@@ -76,6 +178,9 @@ class GraphCache:
         self.capacity = capacity
         self._on_evict = on_evict
         self._items: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        #: ``touch(key)``: mark ``key`` the most recently used (``KeyError`` when absent); the
+        #: dict's own method, without a Python frame around it (every replay calls it).
+        self.touch: Callable[[Hashable], None] = self._items.move_to_end
 
     def get(self, key: Hashable) -> Any:
         """The value of ``key`` (now the most recently used), or ``None``."""
@@ -107,67 +212,154 @@ class GraphCache:
         return len(self._items)
 
 
-def _synchronize_device(_: Any) -> None:
-    require_cupy().cuda.runtime.deviceSynchronize()
-
-
 class EagerGraphs:
     """The recorded graphs of one ``MoELayer``'s eager calls (see the module docstring).
 
-    :meth:`call_device` and :meth:`call_host` take inputs already checked by
-    ``MoELayer.check_inputs`` (and ``out`` by its ``_check_out``) and return ``None`` when the
-    call cannot be a replay: the layer's weights need the uncapturable batched fallback with
-    this dtype, or the current stream is capturing (a replay inside someone else's capture).
+    :meth:`hit` takes unchecked CuPy inputs and serves only calls it can match to a graph this
+    stream ran; :meth:`call_device` and :meth:`call_host` take inputs already checked by
+    ``MoELayer.check_inputs`` (and ``out`` by its ``_check_out``). All three return ``None``
+    when the call is not a replay: for :meth:`hit` anything it does not match, for the others
+    a layer whose weights need the uncapturable batched fallback with this dtype, or a current
+    stream that is capturing (a replay inside someone else's capture).
     """
 
-    def __init__(self, layer: Any, capacity: int = MAX_GRAPHS) -> None:
+    def __init__(
+        self, layer: Any, capacity: int = MAX_GRAPHS, *, cuda: CudaCalls | None = None
+    ) -> None:
         self.layer = layer
-        self.graphs = GraphCache(capacity, on_evict=_synchronize_device)
+        self.graphs = GraphCache(capacity, on_evict=self._evict)
+        #: The graph each stream (and ``x.size``) replayed last: what :meth:`hit` matches.
+        self.last: dict[Hashable, Replay] = {}
+        self._cuda = CudaCalls.from_cupy() if cuda is None else cuda
         self._record_lock = threading.Lock()  # two threads missing at once record one graph
 
     def clear(self) -> None:
         """Drop every graph: the next call records again (after the tuning cache changed)."""
+        self.last.clear()
         self.graphs.clear()
 
-    def graph_for(self, m: int, dtype: Any, logits_dtype: Any, stream: Any) -> LayerGraph | None:
+    def _evict(self, replay: Replay) -> None:
+        for key, r in list(self.last.items()):
+            if r is replay:
+                self.last.pop(key, None)
+        # Its buffers go back to the pool: no replay may still read them.
+        if self._cuda is not None:
+            self._cuda.synchronize()
+
+    def graph_for(self, m: int, dtype: Any, logits_dtype: Any, stream: Any) -> Replay | None:
         """The graph of ``m`` tokens for ``stream`` (recorded on the first call), or ``None``
         when the current stream is capturing or the layer cannot be recorded with ``dtype``."""
         if _capturing(stream):
             return None
         key = plan_key(m, dtype, logits_dtype, stream.ptr)
-        graph = self.graphs.get(key)
-        if graph is not None:
-            return graph
+        replay = self.graphs.get(key)
+        if replay is not None:
+            return replay
         if not self.layer.device_layer().capturable(dtype):
             return None
         with self._record_lock:
-            graph = self.graphs.get(key)
-            if graph is None:
+            replay = self.graphs.get(key)
+            if replay is None:
                 graph = record_graph(
                     [self.layer], m, dtype, logits_dtype=logits_dtype, own_workspace=True
                 )
-                self.graphs.put(key, graph)
-        return graph
+                replay = Replay(key, graph)
+                self.graphs.put(key, replay)
+        return replay
+
+    def hit(self, x: Any, logits: Any, out: Any) -> Any:
+        """``layer(x, logits, out=out)`` when the current stream last replayed a graph of
+        ``x.size`` elements and these arrays match it (:class:`Replay`), else ``None``.
+
+        Unchecked inputs: anything that does not match exactly (another dtype or layout, a
+        NumPy array, a subclass, a wrong shape) returns ``None`` before any CUDA call, and the
+        caller's checked path takes it."""
+        cuda = self._cuda
+        if cuda is None:
+            return None
+        ndarray = cuda.ndarray
+        if type(x) is not ndarray or type(logits) is not ndarray:
+            return None
+        stream = cuda.current_stream().ptr
+        size = x.size
+        # _hit_key, inlined: a Python call costs a tenth of this method
+        if stream != _PER_THREAD_STREAM:
+            r = self.last.get((stream, size))
+        else:
+            r = self.last.get((stream, size, threading.get_ident()))
+        # strides first: a 2-tuple makes len() safe; len and size then fix the shape
+        if (
+            r is None
+            or x.dtype is not r.dtype
+            or x.strides != r.strides
+            or len(x) != r.n_tokens
+            or logits.dtype is not r.logits_dtype
+            or logits.strides != r.logits_strides
+            or len(logits) != r.n_tokens
+            or logits.size != r.logits_size
+        ):
+            return None
+        if out is not None and (
+            type(out) is not ndarray
+            or out.dtype is not r.dtype
+            or out.strides != r.strides
+            or len(out) != r.n_tokens
+            or out.size != size
+        ):
+            return None
+        try:
+            if cuda.is_capturing(stream):
+                return None
+        except Exception:  # the legacy stream during a capture: the checked path decides
+            return None
+        if out is None:
+            out = ndarray(r.out_shape, r.dtype)
+        self._replay(r, x, logits, out, stream)
+        try:
+            self.graphs.touch(r.key)
+        except KeyError:  # evicted by another thread meanwhile; it synchronised first
+            pass
+        return out
+
+    def _replay(self, r: Replay, x: Any, logits: Any, out: Any, stream: int) -> None:
+        """Copies and launch of one call whose arrays match ``r``."""
+        cuda = self._cuda
+        assert cuda is not None  # every caller has checked
+        memcpy = cuda.memcpy
+        memcpy(r.x_dst, x.data.ptr, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
+        memcpy(r.logits_dst, logits.data.ptr, r.logits_nbytes, _DEVICE_TO_DEVICE, stream)
+        cuda.graph_launch(r.graph_exec, stream)
+        memcpy(out.data.ptr, r.out_src, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
 
     def call_device(self, x: Any, logits: Any, out: Any) -> Any:
         """``layer(x, logits, out=out)`` for CuPy arrays as a replay on the current stream;
         ``None`` when it cannot be one. Allocates only the result when ``out`` is ``None``."""
-        cupy = require_cupy()
-        stream = cupy.cuda.get_current_stream()
+        cuda = self._cuda
+        assert cuda is not None  # CuPy arrays came in
+        stream = cuda.current_stream()
         m = x.shape[0]
-        graph = self.graph_for(m, x.dtype, logits.dtype, stream)
-        if graph is None:
+        r = self.graph_for(m, x.dtype, logits.dtype, stream)
+        if r is None:
             return None
-        memcpy = cupy.cuda.runtime.memcpyAsync
         s = stream.ptr
-        memcpy(graph.x.data.ptr, x.data.ptr, x.nbytes, _DEVICE_TO_DEVICE, s)
-        dst = graph.logits[0]
+        if out is None:
+            out = cuda.ndarray(r.out_shape, r.dtype)
+        if x.strides == r.strides and logits.strides == r.logits_strides:
+            # the next call like this one is a hit; its dtypes are compared by identity (equal
+            # dtypes are one object but for the rare copies, which then adopt this call's)
+            r.dtype, r.logits_dtype = x.dtype, logits.dtype
+            self.last[_hit_key(s, x.size)] = r
+            self._replay(r, x, logits, out, s)
+            return out
+        # C-contiguous x or logits with other strides (one row), or logits rows with a larger
+        # stride (check_inputs accepts them)
+        cuda.memcpy(r.x_dst, x.data.ptr, r.x_nbytes, _DEVICE_TO_DEVICE, s)
         if m == 1 or logits.flags.c_contiguous:
-            memcpy(dst.data.ptr, logits.data.ptr, dst.nbytes, _DEVICE_TO_DEVICE, s)
-        else:  # rows with a larger stride (check_inputs accepts them): one 2-D copy
-            width = dst.strides[0]
-            cupy.cuda.runtime.memcpy2DAsync(
-                dst.data.ptr,
+            cuda.memcpy(r.logits_dst, logits.data.ptr, r.logits_nbytes, _DEVICE_TO_DEVICE, s)
+        else:  # one 2-D copy
+            width = r.logits_strides[0]
+            cuda.memcpy2d(
+                r.logits_dst,
                 width,
                 logits.data.ptr,
                 logits.strides[0],
@@ -176,32 +368,30 @@ class EagerGraphs:
                 _DEVICE_TO_DEVICE,
                 s,
             )
-        graph.launch(stream)
-        if out is None:
-            out = cupy.empty(graph.out.shape, graph.out.dtype)
-        memcpy(out.data.ptr, graph.out.data.ptr, graph.out.nbytes, _DEVICE_TO_DEVICE, s)
+        cuda.graph_launch(r.graph_exec, s)
+        cuda.memcpy(out.data.ptr, r.out_src, r.x_nbytes, _DEVICE_TO_DEVICE, s)
         return out
 
     def call_host(self, x: np.ndarray, logits: np.ndarray, out: Any) -> Any:
         """``layer(x, logits, out=out)`` for NumPy arrays as a replay: the inputs copied from the
         host into the graph's buffers, the output copied back; returns once it is on the host.
         ``None`` when it cannot be a replay."""
-        cupy = require_cupy()
-        stream = cupy.cuda.get_current_stream()
+        cuda = self._cuda
+        assert cuda is not None  # only called on a machine with a GPU
+        stream = cuda.current_stream()
         x = np.ascontiguousarray(x)
         logits = np.ascontiguousarray(logits)
-        graph = self.graph_for(x.shape[0], x.dtype, logits.dtype, stream)
-        if graph is None:
+        r = self.graph_for(x.shape[0], x.dtype, logits.dtype, stream)
+        if r is None:
             return None
-        memcpy = cupy.cuda.runtime.memcpyAsync
         s = stream.ptr
         # From pageable memory the driver stages the bytes before returning: x may be reused.
-        memcpy(graph.x.data.ptr, x.ctypes.data, x.nbytes, _HOST_TO_DEVICE, s)
-        memcpy(graph.logits[0].data.ptr, logits.ctypes.data, logits.nbytes, _HOST_TO_DEVICE, s)
-        graph.launch(stream)
+        cuda.memcpy(r.x_dst, x.ctypes.data, r.x_nbytes, _HOST_TO_DEVICE, s)
+        cuda.memcpy(r.logits_dst, logits.ctypes.data, r.logits_nbytes, _HOST_TO_DEVICE, s)
+        cuda.graph_launch(r.graph_exec, s)
         direct = out is not None and out.flags.c_contiguous
-        result = out if direct else np.empty(graph.out.shape, graph.out.dtype)
-        memcpy(result.ctypes.data, graph.out.data.ptr, graph.out.nbytes, _DEVICE_TO_HOST, s)
+        result = out if direct else np.empty(r.out_shape, r.dtype)
+        cuda.memcpy(result.ctypes.data, r.out_src, r.x_nbytes, _DEVICE_TO_HOST, s)
         stream.synchronize()  # a copy to pageable memory returns when done; this makes it explicit
         if out is not None and not direct:
             out[...] = result

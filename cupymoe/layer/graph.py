@@ -55,6 +55,12 @@ class LayerGraph:
         already holds: the caller writes the inputs and reads :attr:`out` on the same stream."""
         self._graph.launch(stream)
 
+    @property
+    def exec_handle(self) -> int:
+        """The ``cudaGraphExec_t`` handle, for ``cupy.cuda.runtime.graphLaunch(handle, stream)``
+        (what :meth:`launch` calls, without looking up the stream's handle)."""
+        return int(self._graph.graphExec)
+
 
 def record_graph(
     layers: Sequence[Any],
