@@ -4,15 +4,18 @@
 CPU: the LRU of graphs, the plan key, when a call cannot be a replay (a capturing stream, an
 uncapturable layer), the allocation counter; on fake CUDA entry points, the hit path (the CUDA
 calls of a hit, every mismatch that declines it before any CUDA call, streams and threads, the
-LRU order). GPU: the replay against the stage-by-stage launches (``replay=False``) and
-``MoELayer.graph``, bit for bit at every stage, for the three presets; a decode loop with ``out=``
-allocating nothing; new token counts after others; two layers on two streams interleaved;
-strided, float64 and NumPy inputs; a call inside someone else's capture; ``CUPYMOE_GEMV_CONFIG``
-read when a graph is recorded.
+LRU order) and in-place graphs (after ``BIND_AFTER`` calls on the same buffers, bounded, never
+for misaligned or overlapping buffers or after an environment change). GPU: the replay and the
+in-place replay against the stage-by-stage launches (``replay=False``) and ``MoELayer.graph``,
+bit for bit at every stage, for the three presets; in-place replays reading the buffers' contents
+when they run; ``out=x``; a decode loop with ``out=`` allocating nothing; new token counts after
+others; two layers on two streams interleaved; strided, float64 and NumPy inputs; a call inside
+someone else's capture; ``CUPYMOE_GEMV_CONFIG`` read when a graph is recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import types
 from typing import Any
@@ -25,6 +28,9 @@ import cupymoe as cm
 from cupymoe.experts.config import ENV_GEMV_CONFIG
 from cupymoe.layer import eager
 from cupymoe.layer.eager import (
+    BIND_AFTER,
+    BIND_BUDGET,
+    MAX_BOUND,
     MAX_GRAPHS,
     RECORDED_ONCE,
     CudaCalls,
@@ -158,7 +164,7 @@ def test_replay_false_and_clear_cache_before_any_gpu_call(rng: np.random.Generat
     assert a.dtype == BF16 and np.array_equal(a.view(np.uint16), b.view(np.uint16))
 
 
-# ---- CPU: the hit path, on fake CUDA entry points -----------------------------------------------
+# ---- CPU: the hit path and in-place graphs, on fake CUDA entry points ----------------------------
 class _FakeArray:
     """What the replay path reads of a ``cupy.ndarray``; addresses from a counter (512-aligned,
     as the pool's), or given."""
@@ -218,18 +224,27 @@ def _fake_graph(m: int, dtype: Any, logits_dtype: Any, count: list[int]) -> Any:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """EagerGraphs on fake CUDA calls, recording fake graphs."""
+    """EagerGraphs on fake CUDA calls, recording fake graphs; ``in_place`` lists the in-place
+    recordings (each returns a graph of handle 0x100 + its number)."""
     cuda = _FakeCuda()
     recorded: list[int] = []
+    in_place: list[tuple[int, int, int]] = []
 
     def record(layers: Any, m: int, dtype: Any, *, logits_dtype: Any, own_workspace: bool) -> Any:
         assert own_workspace
         return _fake_graph(m, dtype, logits_dtype, recorded)
 
+    def bind(layer: Any, graph: Any, x: Any, logits: Any, out: Any) -> Any:
+        in_place.append((x.data.ptr, logits.data.ptr, out.data.ptr))
+        return types.SimpleNamespace(graphExec=0x100 + len(in_place))
+
     monkeypatch.setattr(eager, "record_graph", record)
+    monkeypatch.setattr(eager, "record_in_place", bind)
+    for name in RECORDED_ONCE[:3]:
+        monkeypatch.delenv(name, raising=False)
     graphs = EagerGraphs(_fake_layer(True), cuda=cuda.calls)
     return types.SimpleNamespace(
-        graphs=graphs, cuda=cuda, recorded=recorded, monkeypatch=monkeypatch
+        graphs=graphs, cuda=cuda, recorded=recorded, in_place=in_place, monkeypatch=monkeypatch
     )
 
 
@@ -372,6 +387,91 @@ def test_a_hit_keeps_the_lru_order_and_eviction_forgets_it(fake: Any) -> None:
     assert g.hit(*inputs[1], None) is None and not g.last
 
 
+def test_same_buffers_get_an_in_place_graph_after_bind_after_calls(fake: Any) -> None:
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    g = fake.graphs
+    g.call_device(x, logits, out)
+    for _ in range(BIND_AFTER - 1):
+        assert g.hit(x, logits, out) is out
+    assert fake.in_place == [(x.data.ptr, logits.data.ptr, out.data.ptr)]
+    fake.cuda.take()
+    assert g.hit(x, logits, out) is out
+    assert fake.cuda.take() == [("launch", 0x101, 0x50)], "in place: one launch, no copies"
+    other = _FakeArray((1, H), BF16)
+    assert g.hit(x, logits, other) is other
+    assert [e[0] for e in fake.cuda.take()] == ["memcpy", "memcpy", "launch", "memcpy"]
+
+
+def test_a_result_dropped_before_the_next_call_is_bound_too(fake: Any) -> None:
+    class Pooled(_FakeArray):  # CuPy's pool hands the freed block of the last result out again
+        def __init__(self, shape: tuple[int, ...], dtype: Any, **kw: Any) -> None:
+            super().__init__(shape, dtype, **{"ptr": 0x7000_0000, **kw})
+
+    g = EagerGraphs(_fake_layer(True), cuda=dataclasses.replace(fake.cuda.calls, ndarray=Pooled))
+    x, logits = Pooled((1, H), BF16, ptr=0x100_0000), Pooled((1, E), np.float32, ptr=0x200_0000)
+    g.call_device(x, logits, None)
+    for _ in range(BIND_AFTER):
+        g.hit(x, logits, None)
+    assert fake.in_place == [(0x100_0000, 0x200_0000, 0x7000_0000)]
+    fake.cuda.take()
+    assert g.hit(x, logits, None).data.ptr == 0x7000_0000
+    assert fake.cuda.take() == [("launch", 0x101, 0x50)]
+
+
+def test_in_place_graphs_are_bounded(fake: Any) -> None:
+    x, logits = _fake_inputs()
+    outs = [_FakeArray((1, H), BF16) for _ in range(3)]
+    g = fake.graphs
+    g.call_device(x, logits, outs[0])
+    r = g.last[(0x50, H)]
+    for _ in range(BIND_BUDGET * BIND_AFTER * 2):  # three buffers in turn, each bound in turn
+        for out in outs:
+            for _ in range(BIND_AFTER):
+                g.hit(x, logits, out)
+            assert len(r.bound) <= MAX_BOUND
+    assert len(fake.in_place) == BIND_BUDGET and r.binds_left == 0
+
+
+@pytest.mark.parametrize("why", ["misaligned", "out-overlaps-x", "env-changed"])
+def test_no_in_place_graph_where_it_could_differ(fake: Any, why: str) -> None:
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    if why == "misaligned":
+        x = _FakeArray((1, H), BF16, ptr=x.data.ptr + 8)
+    if why == "out-overlaps-x":
+        out = _FakeArray((1, H), BF16, ptr=x.data.ptr)
+    g = fake.graphs
+    g.call_device(x, logits, out)
+    if why == "env-changed":
+        fake.monkeypatch.setenv(ENV_GEMV_CONFIG, "cta_n=64,threads=128")
+    for _ in range(3 * BIND_AFTER):
+        assert g.hit(x, logits, out) is out
+    assert fake.in_place == []
+    r = g.last[(0x50, H)]
+    assert not r.bound and r.bind_error is None
+    if why == "env-changed":
+        assert r.binds_left == 0, "read once: no graph is recorded after the change"
+
+
+def test_a_failed_in_place_recording_leaves_the_copies(fake: Any) -> None:
+    def fail(*args: Any) -> Any:
+        raise RuntimeError("capture refused")
+
+    fake.monkeypatch.setattr(eager, "record_in_place", fail)
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    g = fake.graphs
+    g.call_device(x, logits, out)
+    for _ in range(2 * BIND_AFTER):
+        assert g.hit(x, logits, out) is out
+    r = g.last[(0x50, H)]
+    assert r.binds_left == 0 and isinstance(r.bind_error, RuntimeError) and not r.bound
+    fake.cuda.take()
+    g.hit(x, logits, out)
+    assert [e[0] for e in fake.cuda.take()] == ["memcpy", "memcpy", "launch", "memcpy"]
+
+
 def test_strided_logits_are_copied_in_2d_and_not_remembered(fake: Any) -> None:
     x = _FakeArray((3, H), BF16)
     logits = _FakeArray((3, E), np.float32, strides=(4 * (E + 8), 4))
@@ -467,6 +567,27 @@ def test_replay_is_bitwise_the_stage_launches_and_the_graph(name: str, m: int) -
     for stage, value in want.items():
         assert _same(got[stage], value), f"{name} M={m}: {stage} differs (replay)"
 
+    # the same buffers again: hits, then the graph recorded on them (no copies)
+    out = cupy.full_like(direct, np.nan)
+    for _ in range(BIND_AFTER + 1):
+        workspace.h.fill(np.nan)  # the in-place graph writes the intermediates anew
+        layer(xd, ld, out=out)
+    cupy.cuda.Device().synchronize()
+    assert recorded.bind_error is None and len(recorded.bound) == 1, "no in-place graph"
+    assert _same(out, direct), f"{name} M={m}: in-place replay != stage launches"
+    for stage, value in _stage_outputs(workspace, m, layer.top_k).items():
+        assert _same(value, want[stage]), f"{name} M={m}: {stage} differs (in place)"
+
+    graph = layer.graph(m, dtype=xd.dtype)  # MoELayer.graph: the layer's shared workspace
+    with graph.stream:
+        graph.x[...] = xd
+        graph.logits[0][...] = ld
+        graph.replay()
+    graph.stream.synchronize()
+    assert _same(graph.out, direct), f"{name} M={m}: LayerGraph replay != stage launches"
+    for stage, value in _stage_outputs(device.workspace(xd.dtype), m, layer.top_k).items():
+        assert _same(value, want[stage]), f"{name} M={m}: {stage} differs (LayerGraph)"
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -489,6 +610,46 @@ def test_decode_loop_with_out_allocates_nothing(name: str, m: int) -> None:
         for _ in range(10):
             layer(xd, ld)
     assert counter.count == 10, "without out= a call allocates its result and nothing else"
+
+
+@pytest.mark.gpu
+def test_in_place_replays_read_the_buffers_when_they_run() -> None:
+    cupy = _cupy()
+    layer = _small_layer(9)
+    x0, l0 = _inputs(9, 3)
+    x1, l1 = _inputs(10, 3)
+    xd, ld = _device(x0, l0)
+    want0 = layer(xd, ld, replay=False).copy()
+    want1 = layer(*_device(x1, l1), replay=False).copy()
+    out = cupy.empty_like(want0)
+    for _ in range(BIND_AFTER + 1):
+        layer(xd, ld, out=out)
+    r = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    assert len(r.bound) == 1, r.bind_error
+    assert _same(out, want0)
+    xd[...] = cupy.asarray(x1)  # new contents, same buffers, same stream: the next call sees them
+    ld[...] = cupy.asarray(l1)
+    assert layer(xd, ld, out=out) is out and _same(out, want1)
+    # each result dropped before the next call: CuPy's pool is likely to hand the same block
+    # out again (bound then), or another one (copied); either way the result is right
+    results = [layer(xd, ld).copy() for _ in range(2 * BIND_AFTER)]
+    assert all(_same(got, want1) for got in results) and r.bind_error is None
+
+
+@pytest.mark.gpu
+def test_out_overlapping_x_is_copied_not_bound() -> None:
+    cupy = _cupy()
+    layer = _small_layer(11)
+    x, logits = _inputs(11, 2)
+    xd, ld = _device(x, logits)
+    want = [xd.copy()]
+    for _ in range(BIND_AFTER + 2):  # each call's input is the previous call's output
+        want.append(layer(want[-1], ld, replay=False).copy())
+    for step in range(1, BIND_AFTER + 3):
+        assert layer(xd, ld, out=xd) is xd
+        assert _same(xd, want[step]), f"call {step}"
+    r = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    assert not r.bound and r.bind_error is None
 
 
 @pytest.mark.gpu
@@ -594,12 +755,21 @@ def test_a_call_inside_a_capture_launches_the_stages() -> None:
 
 @pytest.mark.gpu
 def test_gemv_config_is_read_when_a_graph_is_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    cupy = _cupy()
     monkeypatch.delenv(ENV_GEMV_CONFIG, raising=False)
     layer = _small_layer(8)
     xd, ld = _device(*_inputs(8, 4))
     first = layer(xd, ld).copy()
     monkeypatch.setenv(ENV_GEMV_CONFIG, "cta_n=64,threads=128")
     assert _same(layer(xd, ld), first), "a recorded graph keeps its tilings"
+    out = cupy.empty_like(first)
+    for _ in range(2 * BIND_AFTER):  # read once: no in-place graph is recorded with it either
+        assert _same(layer(xd, ld, out=out), first), "a recorded graph keeps its tilings"
+    recorded = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    assert not recorded.bound and recorded.binds_left == 0
     forced = layer(xd, ld, replay=False)  # the stage launches read the variable every call
     layer.clear_cache()
     assert _same(layer(xd, ld), forced), "after clear_cache the graph is recorded with it"
+    for _ in range(2 * BIND_AFTER):
+        assert _same(layer(xd, ld, out=out), forced), "and the in-place graph too"
+    assert layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)].bound

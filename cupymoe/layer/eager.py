@@ -22,6 +22,19 @@ copies and the launch are direct ``cupy.cuda.runtime`` calls. Anything unusual (
 strided logits, a subclass, bad input) falls through to the checked path, which raises for bad
 input before any kernel runs.
 
+In place (:data:`BIND_AFTER`): a decode loop that passes the same ``x``, ``router_logits`` and
+``out`` buffers call after call (or drops each result before the next call, so that the pool
+hands the same block out again) gets, after :data:`BIND_AFTER` such calls, a second graph of the
+same stages recorded on those very buffers, and its calls are one graph launch without copies.
+Such a graph shares the intermediate buffers of the graph it was derived from and is launched on
+the same stream; it is only launched when all three addresses match, so it reads and writes the
+caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph and at most
+:data:`BIND_BUDGET` are ever recorded for it (a caller whose buffers never settle pays a bounded
+number of captures, then always copies). Not bound: addresses that are not 16-byte aligned (the
+kernels would take other specialisations), an ``out`` that overlaps an input, and any recording
+after an environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other
+tilings than the one it stands in for).
+
 Read once, when a graph is recorded (:data:`RECORDED_ONCE`): the GEMV tiling override
 ``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL``, ``CUPYMOE_CLUSTERS`` and the tuning cache. A graph keeps
 the tilings and launch kinds it was recorded with until :meth:`EagerGraphs.clear`
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -47,9 +61,12 @@ import numpy as np
 from .._runtime.backend import cupy_or_none
 from .._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ..experts.config import ENV_GEMV_CONFIG
-from .graph import LayerGraph, record_graph
+from .graph import LayerGraph, record_graph, record_in_place
 
 __all__ = [
+    "BIND_AFTER",
+    "BIND_BUDGET",
+    "MAX_BOUND",
     "MAX_GRAPHS",
     "RECORDED_ONCE",
     "CudaCalls",
@@ -68,9 +85,19 @@ MAX_GRAPHS = 8
 #: variables, and the tuning cache (``"tune-cache"``, memoised per process anyway).
 RECORDED_ONCE = (ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS, "tune-cache")
 
+#: Calls with the same ``(x, router_logits, out)`` addresses on one graph after which a graph is
+#: recorded on those buffers (one capture of the four stages, without their warm-up run).
+BIND_AFTER = 3
+#: In-place graphs kept per recorded graph: two, because a loop that keeps each result alive
+#: until the next call returns alternates between two output blocks of the pool.
+MAX_BOUND = 2
+#: In-place recordings per recorded graph, ever (until ``clear_cache``).
+BIND_BUDGET = 8
+
 # cudaMemcpyKind (cuda_runtime_api.h)
 _HOST_TO_DEVICE, _DEVICE_TO_HOST, _DEVICE_TO_DEVICE = 1, 2, 3
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread
+_ALIGN = 16  # the GEMV and finalize load 16 bytes at a time (other specialisations otherwise)
 
 
 def plan_key(n_tokens: int, dtype: Any, logits_dtype: Any, stream_handle: int) -> Hashable:
@@ -87,6 +114,10 @@ def _hit_key(stream_handle: int, x_size: int) -> Hashable:
     if stream_handle == _PER_THREAD_STREAM:
         return (stream_handle, x_size, threading.get_ident())
     return (stream_handle, x_size)
+
+
+def _environment() -> tuple[str | None, ...]:
+    return tuple(os.environ.get(name) for name in RECORDED_ONCE[:3])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +157,16 @@ class Replay:
     the same for the logits (``logits_*``; their row count is ``n_tokens`` too) and, when given,
     for ``out`` (``x``'s). ``x.size`` and the stream are the key it was found under. Then the
     call copies ``x_nbytes`` to ``x_dst`` and ``logits_nbytes`` to ``logits_dst``, launches
-    ``graph_exec`` and copies ``x_nbytes`` from ``out_src``.
+    ``graph_exec`` and copies ``x_nbytes`` from ``out_src``; or, when ``(x, logits, out)``
+    addresses are a key of :attr:`bound`, launches that graph alone.
     """
 
     __slots__ = (
+        "bind_error",
+        "binds_left",
+        "bound",
         "dtype",
+        "environment",
         "graph",
         "graph_exec",
         "key",
@@ -142,12 +178,13 @@ class Replay:
         "n_tokens",
         "out_shape",
         "out_src",
+        "seen",
         "strides",
         "x_dst",
         "x_nbytes",
     )
 
-    def __init__(self, key: Hashable, graph: LayerGraph) -> None:
+    def __init__(self, key: Hashable, graph: LayerGraph, environment: tuple[Any, ...]) -> None:
         logits = graph.logits[0]
         self.key = key
         self.graph = graph  # holds the static and intermediate buffers the handles address
@@ -164,6 +201,13 @@ class Replay:
         self.logits_nbytes: int = int(logits.nbytes)
         self.out_src: int = graph.out.data.ptr
         self.out_shape: tuple[int, ...] = tuple(graph.out.shape)
+        self.environment = environment  # RECORDED_ONCE's variables when it was recorded
+        #: In-place graphs by ``(x, logits, out)`` address (oldest first), and how many calls on
+        #: the copy path saw each recent address triple.
+        self.bound: dict[tuple[int, int, int], Any] = {}
+        self.seen: dict[tuple[int, int, int], int] = {}
+        self.binds_left = BIND_BUDGET
+        self.bind_error: Exception | None = None  # why recording an in-place graph failed
 
 
 class GraphCache:
@@ -263,7 +307,7 @@ class EagerGraphs:
                 graph = record_graph(
                     [self.layer], m, dtype, logits_dtype=logits_dtype, own_workspace=True
                 )
-                replay = Replay(key, graph)
+                replay = Replay(key, graph, _environment())
                 self.graphs.put(key, replay)
         return replay
 
@@ -325,11 +369,61 @@ class EagerGraphs:
         """Copies and launch of one call whose arrays match ``r``."""
         cuda = self._cuda
         assert cuda is not None  # every caller has checked
+        addresses = (x.data.ptr, logits.data.ptr, out.data.ptr)
+        if r.bound:
+            bound = r.bound.get(addresses)
+            if bound is not None:
+                cuda.graph_launch(bound.graphExec, stream)
+                return
         memcpy = cuda.memcpy
-        memcpy(r.x_dst, x.data.ptr, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
-        memcpy(r.logits_dst, logits.data.ptr, r.logits_nbytes, _DEVICE_TO_DEVICE, stream)
+        memcpy(r.x_dst, addresses[0], r.x_nbytes, _DEVICE_TO_DEVICE, stream)
+        memcpy(r.logits_dst, addresses[1], r.logits_nbytes, _DEVICE_TO_DEVICE, stream)
         cuda.graph_launch(r.graph_exec, stream)
-        memcpy(out.data.ptr, r.out_src, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
+        memcpy(addresses[2], r.out_src, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
+        if r.binds_left > 0:
+            self._count(r, addresses, x, logits, out)
+
+    def _count(
+        self, r: Replay, addresses: tuple[int, int, int], x: Any, logits: Any, out: Any
+    ) -> None:
+        """Count a copy-path call's addresses; record an in-place graph at :data:`BIND_AFTER`."""
+        seen = r.seen
+        n = seen.get(addresses, 0) + 1
+        if n < BIND_AFTER:
+            if len(seen) >= 4 * MAX_BOUND:  # addresses that never settle: keep the table small
+                seen.clear()
+            seen[addresses] = n
+            return
+        seen.pop(addresses, None)
+        with self._record_lock:
+            if r.binds_left <= 0 or addresses in r.bound:
+                return
+            r.binds_left -= 1
+            graph = self._record_bound(r, x, logits, out)
+            if graph is None:
+                return
+            if len(r.bound) >= MAX_BOUND:  # an in-flight graph is freed when it completes
+                del r.bound[next(iter(r.bound))]
+            r.bound[addresses] = graph
+
+    def _record_bound(self, r: Replay, x: Any, logits: Any, out: Any) -> Any:
+        """The in-place graph of ``r`` on these arrays, or ``None`` where one must not be made
+        (see the module docstring)."""
+        if _environment() != r.environment:
+            r.binds_left = 0  # read once: a graph recorded now would take other tilings
+            return None
+        if x.data.ptr % _ALIGN or logits.data.ptr % _ALIGN or out.data.ptr % _ALIGN:
+            return None
+        o0, o1 = out.data.ptr, out.data.ptr + out.nbytes
+        for a in (x, logits):
+            if a.data.ptr < o1 and o0 < a.data.ptr + a.nbytes:
+                return None  # safe with the copies; in place it would rest on the stage order
+        try:
+            return record_in_place(self.layer, r.graph, x, logits, out)
+        except Exception as error:  # the copies keep working; the error is kept for a look
+            r.binds_left = 0
+            r.bind_error = error
+            return None
 
     def call_device(self, x: Any, logits: Any, out: Any) -> Any:
         """``layer(x, logits, out=out)`` for CuPy arrays as a replay on the current stream;
@@ -352,7 +446,7 @@ class EagerGraphs:
             self._replay(r, x, logits, out, s)
             return out
         # C-contiguous x or logits with other strides (one row), or logits rows with a larger
-        # stride (check_inputs accepts them)
+        # stride (check_inputs accepts them): copied, never bound
         cuda.memcpy(r.x_dst, x.data.ptr, r.x_nbytes, _DEVICE_TO_DEVICE, s)
         if m == 1 or logits.flags.c_contiguous:
             cuda.memcpy(r.logits_dst, logits.data.ptr, r.logits_nbytes, _DEVICE_TO_DEVICE, s)

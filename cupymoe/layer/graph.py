@@ -14,7 +14,7 @@ from .._runtime.timing import capture, median_event_us
 from .._runtime.validate import ACTIVATION_DTYPES
 from .device import STAGES, DeviceLayer
 
-__all__ = ["LayerGraph", "record_graph", "time_stages"]
+__all__ = ["LayerGraph", "record_graph", "record_in_place", "time_stages"]
 
 
 class LayerGraph:
@@ -143,6 +143,33 @@ def record_graph(
     return LayerGraph(
         graph, stream, x, logits, outs[-1], keep=(outs, devices), workspaces=workspaces
     )
+
+
+def record_in_place(layer: Any, graph: LayerGraph, x: Any, logits: Any, out: Any) -> Any:
+    """Record ``layer`` reading ``x`` and ``logits`` and writing ``out`` where they are, on the
+    intermediate buffers of ``graph`` (one layer's graph recorded with ``own_workspace`` for the
+    same token count, dtypes and layouts); returns the ``cupy.cuda.Graph``.
+
+    Nothing runs: ``graph``'s recording has compiled the kernels, copied the router biases and
+    filled the caches, and a capture reads and writes no memory, so the streams that write ``x``
+    and ``logits`` or read ``out`` need not be synchronised. Launch it only on the one stream
+    that launches ``graph`` (they share the intermediate buffers), and only with these arrays
+    (or others at the same addresses with the same shapes, dtypes and strides).
+    """
+    cupy = require_cupy()
+    workspace = graph.workspaces[0]
+    if len(graph.workspaces) != 1 or workspace is None:
+        raise ValueError("graph: expected one layer's graph recorded with own_workspace=True")
+    calls = layer.device_layer().stage_calls(x, logits, out, workspace=workspace)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            for _, call in calls:
+                call()
+        finally:
+            captured = stream.end_capture()
+    return captured
 
 
 def time_stages(device: DeviceLayer, x: Any, logits: Any, *, repeats: int) -> dict[str, float]:

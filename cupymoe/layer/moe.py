@@ -342,7 +342,9 @@ class MoELayer:
         token count, dtypes and current stream (:mod:`cupymoe.layer.eager`; at most
         :data:`~cupymoe.layer.eager.MAX_GRAPHS` are kept): the inputs are copied into the
         graph's buffers, the graph runs on the current stream, the output is copied into ``out``
-        or a new array. ``replay=False`` launches the stages one by one instead (the path a graph
+        or a new array; after a few calls with the same ``x``, ``router_logits`` and ``out``
+        buffers, a graph recorded on those buffers runs instead, without copies (the same bits).
+        ``replay=False`` launches the stages one by one instead (the path a graph
         records; bitwise the same result). Calls with ``router_weights``, calls on a stream that
         is being captured, and MXFP4 layers whose fp16 calls need the batched fallback always
         launch the stages.
