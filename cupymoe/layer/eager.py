@@ -33,14 +33,17 @@ caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph a
 number of captures, then always copies). Not bound: addresses that are not 16-byte aligned (the
 kernels would take other specialisations), an ``out`` that overlaps an input, and any recording
 after an environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other
-tilings than the one it stands in for).
+tilings than the one it stands in for). A tuning cache read again in the same process
+(``cupymoe tune``, ``cupymoe.experts.cache.clear_cache``) is not detected: an in-place graph
+recorded after it takes the new tilings; call ``MoELayer.clear_cache`` after it, as for the
+variables.
 
-Read once, when a graph is recorded (:data:`RECORDED_ONCE`): the GEMV tiling override
-``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL``, ``CUPYMOE_CLUSTERS`` and the tuning cache. A graph keeps
-the tilings and launch kinds it was recorded with until :meth:`EagerGraphs.clear`
-(``MoELayer.clear_cache``); the next call then records with the values of that moment. Reading
-three environment variables on every call would cost 2-7 µs of host time, a quarter of the budget
-of a call.
+Read once, when a graph is recorded (:data:`RECORDED_ONCE`): the tuning cache, the GEMV tiling
+override ``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL``, ``CUPYMOE_CLUSTERS`` and ``CUPYMOE_WGMMA``. A
+graph keeps the tilings, backends and launch kinds it was recorded with until
+:meth:`EagerGraphs.clear` (``MoELayer.clear_cache``); the next call then records with the values
+of that moment. Reading four environment variables on every call would cost 2-7 µs of host time,
+a quarter of the budget of a call.
 
 At most :data:`MAX_GRAPHS` graphs per layer are kept (least recently used first out); evicting
 one synchronises the device first, because its buffers go back to CuPy's pool, which may hand
@@ -61,6 +64,7 @@ import numpy as np
 from .._runtime.backend import cupy_or_none
 from .._runtime.launch import ENV_CLUSTERS, ENV_PDL
 from ..experts.config import ENV_GEMV_CONFIG
+from ..experts.gemm import ENV_WGMMA
 from .graph import LayerGraph, record_graph, record_in_place
 
 __all__ = [
@@ -83,7 +87,7 @@ MAX_GRAPHS = 8
 
 #: What a graph reads when it is recorded and keeps until ``MoELayer.clear_cache``: environment
 #: variables, and the tuning cache (``"tune-cache"``, memoised per process anyway).
-RECORDED_ONCE = (ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS, "tune-cache")
+RECORDED_ONCE = (ENV_GEMV_CONFIG, ENV_PDL, ENV_CLUSTERS, ENV_WGMMA, "tune-cache")
 
 #: Calls with the same ``(x, router_logits, out)`` addresses on one graph after which a graph is
 #: recorded on those buffers (one capture of the four stages, without their warm-up run).
@@ -117,7 +121,8 @@ def _hit_key(stream_handle: int, x_size: int) -> Hashable:
 
 
 def _environment() -> tuple[str | None, ...]:
-    return tuple(os.environ.get(name) for name in RECORDED_ONCE[:3])
+    """The values of :data:`RECORDED_ONCE`'s environment variables."""
+    return tuple(os.environ.get(name) for name in RECORDED_ONCE if name.startswith("CUPYMOE_"))
 
 
 @dataclasses.dataclass(frozen=True)
