@@ -178,13 +178,13 @@ def _gpu_call_us(call: Callable[[], Any], calls: int = 64) -> tuple[float, bool]
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls, spin_ms > queued_ms
 
 
-def _bound(layer: MoELayer, xd: Any) -> int:
-    """In-place graphs the layer holds for ``xd``'s token count on the current stream."""
+def _bound(layer: MoELayer, xd: Any) -> dict[tuple[int, int, int], Any]:
+    """The in-place graphs the layer holds for ``xd``'s token count on the current stream, by
+    ``(x, logits, out)`` address."""
     graphs = layer._graphs
-    replay = (
-        None if graphs is None else graphs.last.get((cupy.cuda.get_current_stream().ptr, xd.size))
-    )
-    return 0 if replay is None else len(replay.bound)
+    key = (cupy.cuda.get_current_stream().ptr, xd.size)
+    replay = None if graphs is None else graphs.last.get(key)
+    return {} if replay is None else dict(replay.bound)
 
 
 def _calls(layer: MoELayer, m: int, seed: int) -> dict[str, Any]:
@@ -200,6 +200,7 @@ def _calls(layer: MoELayer, m: int, seed: int) -> dict[str, Any]:
         "x": x,
         "logits": logits,
         "xd": xd,
+        "addresses": (xd.data.ptr, ld.data.ptr, out.data.ptr),  # of b2b_out's calls
         "b2b": lambda: layer(xd, ld),
         "b2b_out": lambda: layer(xd, ld, out=out),
         "copies": lambda: layer(next(xs), ld, out=out),
@@ -213,9 +214,9 @@ def measure(layer: MoELayer, m: int, calls: int, seed: int) -> dict[str, Any]:
     c = _calls(layer, m, seed)
     row: dict[str, Any] = {}
     row["b2b"], _ = _back_to_back_us(c["b2b"], calls)
-    in_place_b2b = _bound(layer, c["xd"])  # the pool's block of the dropped results, if bound
+    in_place_b2b = bool(_bound(layer, c["xd"]))  # the pool's block of the dropped results
     row["b2b_out"], row["host_out"] = _back_to_back_us(c["b2b_out"], calls)
-    row["in_place"] = {"b2b": in_place_b2b > 0, "b2b_out": _bound(layer, c["xd"]) > in_place_b2b}
+    row["in_place"] = {"b2b": in_place_b2b, "b2b_out": c["addresses"] in _bound(layer, c["xd"])}
     row["copies"], _ = _back_to_back_us(c["copies"], calls)
     row["latency"] = _latency_us(c["b2b_out"], max(10, calls // 10))
     row["numpy"] = _numpy_us(c["numpy"], max(50, calls // 4))
@@ -227,7 +228,13 @@ def measure(layer: MoELayer, m: int, calls: int, seed: int) -> dict[str, Any]:
     return row
 
 
+# C entries that are CuPy / CUDA calls (the rest are builtins: dict.get, len, ...)
+_RUNTIME_WORDS = ("cupy", "cuda", "memcpy", "graphLaunch", "Capturing", "stream", "ndarray")
+
+
 def _split(stats: pstats.Stats, calls: int, top: int) -> dict[str, Any]:
+    """µs per call in Python functions and in C entries (of which CuPy / CUDA calls), by
+    tottime, with the ``top`` entries of each."""
     rows = stats.stats  # type: ignore[attr-defined]
     python: dict[str, float] = {}
     native: dict[str, float] = {}
@@ -237,6 +244,7 @@ def _split(stats: pstats.Stats, calls: int, top: int) -> dict[str, Any]:
         else:
             python[f"{file.rsplit('/', 1)[-1]}:{line}({name})"] = r[2]
     py, c = sum(python.values()), sum(native.values())
+    runtime = sum(v for k, v in native.items() if any(w in k for w in _RUNTIME_WORDS))
 
     def per_call(d: dict[str, float]) -> dict[str, float]:
         return {k: v / calls * 1e6 for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}
@@ -244,6 +252,7 @@ def _split(stats: pstats.Stats, calls: int, top: int) -> dict[str, Any]:
     return {
         "python_us": py / calls * 1e6,
         "c_us": c / calls * 1e6,
+        "cupy_runtime_us": runtime / calls * 1e6,
         "python_share": py / (py + c) if py + c else 0.0,
         "top_python_us": per_call(python),
         "top_c_us": per_call(native),
@@ -280,9 +289,9 @@ def _print_profile(name: str, m: int, prof: dict[str, Any]) -> None:
         print(
             f"\nprofile {name} M={m} {label}: {p['wall_us']:.1f} µs per call back to back "
             f"({p['host_us']:.1f} µs of host time); under cProfile {p['python_us']:.1f} µs in "
-            f"Python functions, {p['c_us']:.1f} µs in C calls ({100 * p['python_share']:.0f} % "
-            f"Python); without the profiler Python is about {p['python_us_estimate']:.1f} µs "
-            "(host time minus the C calls)",
+            f"Python functions, {p['c_us']:.1f} µs in C calls ({p['cupy_runtime_us']:.1f} in "
+            f"CuPy / CUDA; {100 * p['python_share']:.0f} % Python); without the profiler Python "
+            f"is about {p['python_us_estimate']:.1f} µs (host time minus the C calls)",
             file=sys.stderr,
         )
         for kind in ("top_python_us", "top_c_us"):
