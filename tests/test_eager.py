@@ -9,8 +9,9 @@ for misaligned or overlapping buffers or after an environment change). GPU: the 
 in-place replay against the stage-by-stage launches (``replay=False``) and ``MoELayer.graph``,
 bit for bit at every stage, for the three presets; in-place replays reading the buffers' contents
 when they run; ``out=x``; a decode loop with ``out=`` allocating nothing; new token counts after
-others; two layers on two streams interleaved; strided, float64 and NumPy inputs; a call inside
-someone else's capture; ``CUPYMOE_GEMV_CONFIG`` read when a graph is recorded.
+others; two layers on two streams interleaved; one layer from two threads; strided, float64 and
+NumPy inputs; a call inside someone else's capture; ``CUPYMOE_GEMV_CONFIG`` read when a graph is
+recorded, and no in-place graph recorded after it changed.
 """
 
 from __future__ import annotations
@@ -702,6 +703,33 @@ def test_two_layers_on_two_streams_interleaved(with_out: bool) -> None:
     for c, got in results:
         assert _same(got, want[c]), f"layer {c[0]} on stream {c[1]} (M={c[2]})"
     assert all(len(layer._graphs.graphs) == 2 for layer in layers)  # one graph per stream
+
+
+@pytest.mark.gpu
+def test_one_layer_from_two_threads_on_their_own_streams() -> None:
+    cupy = _cupy()
+    layer = _small_layer(12)
+    inputs = [_device(*_inputs(20 + j, 3)) for j in range(2)]
+    want = [layer(*inputs[j], replay=False).copy() for j in range(2)]
+    cupy.cuda.Device().synchronize()
+    got: dict[int, list[Any]] = {0: [], 1: []}
+
+    def body(j: int) -> None:  # copies, then in place, racing the other thread's calls
+        stream = cupy.cuda.Stream(non_blocking=True)
+        out = cupy.empty_like(want[j])
+        with stream:
+            for _ in range(4 * BIND_AFTER):
+                got[j].append(layer(*inputs[j], out=out).copy())
+        stream.synchronize()
+
+    threads = [threading.Thread(target=body, args=(j,)) for j in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for j in range(2):
+        assert len(got[j]) == 4 * BIND_AFTER and all(_same(a, want[j]) for a in got[j]), j
+    assert len(layer._graphs.graphs) == 2 and all(r.bound for r in layer._graphs.last.values())
 
 
 @pytest.mark.gpu
