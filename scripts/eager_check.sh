@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 workers=()
 if python3 -c "import xdist" 2>/dev/null; then workers=(-n 4); fi  # compiles in parallel too
 start=$SECONDS
-timeout 120 python3 -m pytest -q -m gpu "${workers[@]}" -p no:cacheprovider tests/test_eager.py "$@" \
+timeout 120 python3 -m pytest -q -m gpu ${workers[@]+"${workers[@]}"} -p no:cacheprovider tests/test_eager.py "$@" \
   2>&1 | tee "$OUT/eager_tests.log" | tail -30
 echo "tests: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s (124: time limit)"
 start=$SECONDS
