@@ -148,7 +148,7 @@ class HummingPlan:
     fc2: Any  # humming LayerConfig of w2 [E, H, I]
     fc1_n: int
     compute: str  # ComputeConfig JSON
-    fc1_tuning: str  # JSON [[rows - 1, rows, config], ...]: one kernel per token count
+    fc1_tuning: str  # JSON [[lo, hi, config], ...]: one kernel per token count
     fc2_tuning: str
     configs: dict[int, tuple[dict, dict]]  # M -> (fc1 config, fc2 config)
     activation: str = "humming"  # or "torch" (process_input failed)
@@ -185,16 +185,22 @@ def humming_plan(torch: Any, shape: LayerShape, tokens: Sequence[int]) -> Hummin
         )
 
     fc1, fc2 = layer_config(fc1_n, shape.hidden), layer_config(shape.hidden, shape.intermediate)
+    # The launcher looks every call up by its rows in these intervals, (lo, hi], and first its
+    # base kernel at 1 row: they tile (0, inf) (hi 0 means unbounded), one per token count.
     configs, t1, t2 = {}, [], []
-    for m in sorted(set(tokens)):
+    ordered = sorted(set(tokens))
+    lo = 0
+    for i, m in enumerate(ordered):
         rows = m * shape.top_k  # vLLM's valid_shape_m without expert parallelism
         c1, c2 = (
             get_heuristics_config(c, shape_m=rows, gemm_type="indexed", device=device)
             for c in (fc1, fc2)
         )
         configs[m] = (c1, c2)
-        t1.append([rows - 1, rows, c1])
-        t2.append([rows - 1, rows, c2])
+        hi = 0 if i == len(ordered) - 1 else rows
+        t1.append([lo, hi, c1])
+        t2.append([lo, hi, c2])
+        lo = rows
     compute = json.dumps(
         {"use_batch_invariant": False, "use_f16_accum": False, "gemm_type": "indexed"}
     )
