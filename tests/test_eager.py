@@ -89,6 +89,19 @@ def test_per_thread_default_stream_is_a_stream_per_thread() -> None:
     assert here == plan_key(1, f32, f32, 2)
 
 
+def test_the_legacy_default_stream_is_keyed_per_thread() -> None:
+    # Stream handle 0 is every thread's current stream by default: two threads replaying one
+    # graph's static buffers there would interleave their copies with the launches.
+    f32 = np.dtype(np.float32)
+    here = plan_key(1, f32, f32, 0)
+    there: list[Any] = []
+    worker = threading.Thread(target=lambda: there.append(plan_key(1, f32, f32, 0)))
+    worker.start()
+    worker.join()
+    assert here != there[0]
+    assert here == plan_key(1, f32, f32, 0)
+
+
 def test_what_a_graph_reads_once_is_documented() -> None:
     assert ENV_GEMV_CONFIG in RECORDED_ONCE and "tune-cache" in RECORDED_ONCE
     for name in RECORDED_ONCE:
@@ -107,7 +120,7 @@ class _FakeStream:
 
 
 def _fake_layer(capturable: bool) -> Any:
-    device = types.SimpleNamespace(capturable=lambda dtype: capturable)
+    device = types.SimpleNamespace(capturable=lambda dtype: capturable, device_id=0)
     return types.SimpleNamespace(device_layer=lambda: device)
 
 
@@ -182,7 +195,7 @@ class _FakeArray:
         if ptr is None:
             ptr = _FakeArray.next_ptr
             _FakeArray.next_ptr += -(-max(self.nbytes, 1) // 512) * 512
-        self.data = types.SimpleNamespace(ptr=ptr)
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=0)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -434,7 +447,7 @@ def test_in_place_graphs_are_bounded(fake: Any) -> None:
     assert len(fake.in_place) == BIND_BUDGET and r.binds_left == 0
 
 
-@pytest.mark.parametrize("why", ["misaligned", "out-overlaps-x", "env-changed"])
+@pytest.mark.parametrize("why", ["misaligned", "out-overlaps-x", "env-changed", "other-device"])
 def test_no_in_place_graph_where_it_could_differ(fake: Any, why: str) -> None:
     x, logits = _fake_inputs()
     out = _FakeArray((1, H), BF16)
@@ -442,6 +455,8 @@ def test_no_in_place_graph_where_it_could_differ(fake: Any, why: str) -> None:
         x = _FakeArray((1, H), BF16, ptr=x.data.ptr + 8)
     if why == "out-overlaps-x":
         out = _FakeArray((1, H), BF16, ptr=x.data.ptr)
+    if why == "other-device":  # the copies reach it (unified addresses); the kernels would not
+        out.data.device_id = 1
     g = fake.graphs
     g.call_device(x, logits, out)
     if why == "env-changed":
@@ -453,6 +468,22 @@ def test_no_in_place_graph_where_it_could_differ(fake: Any, why: str) -> None:
     assert not r.bound and r.bind_error is None
     if why == "env-changed":
         assert r.binds_left == 0, "read once: no graph is recorded after the change"
+    else:
+        assert r.binds_left == BIND_BUDGET, "a refusal is not a capture: the budget stays"
+
+
+def test_a_graph_evicted_between_lookup_and_replay_is_waited_for(fake: Any) -> None:
+    # Another thread may evict the graph after this call looked it up: its synchronisation can
+    # come before this call's launch, so the call waits for its own work before the buffers go.
+    x, logits = _fake_inputs()
+    out = _FakeArray((1, H), BF16)
+    g = fake.graphs
+    g.call_device(x, logits, out)
+    r = g.last[(0x50, H)]
+    g.graphs._items.pop(r.key)  # evicted meanwhile (as GraphCache.put does, then _evict)
+    fake.cuda.take()
+    assert g.hit(x, logits, out) is out
+    assert fake.cuda.take() == [*_copy_path(r, x, logits, out), ("synchronize",)]
 
 
 def test_a_failed_in_place_recording_leaves_the_copies(fake: Any) -> None:

@@ -294,6 +294,7 @@ def test_dispatch_resolve_precedence(device: dict[str, Any]) -> None:
         ("gemm", {"kind": "wgmma", "bn": 48, "stages": 4}, "not compiled"),
         ("gemm", {"kind": "mma", "rows_per_block": 4}, "rows_per_block"),  # an older layout
         ("gemm", {"kind": "sparse"}, "kind"),
+        ("gemm", {"kind": "mma", "warps_m": [4], "nested": {"a": 1}}, "backend"),  # hand-edited
         ("gemm", None, "kind"),
         ("cublas", None, "backend"),
     ],

@@ -295,7 +295,11 @@ def _lookup_gemm(path: str, *problem: Any) -> GemmChoice | None:
     if not isinstance(entry, dict) or not isinstance(entry.get("backend"), str):
         return ("", ())
     fields = entry.get("config")
-    return (entry["backend"], tuple(sorted(fields.items())) if isinstance(fields, dict) else ())
+    if not isinstance(fields, dict):
+        return (entry["backend"], ())
+    if not all(isinstance(v, str | int | float | bool) or v is None for v in fields.values()):
+        return ("", ())  # a hand-edited value (a list, a mapping): unusable, not unhashable
+    return (entry["backend"], tuple(sorted(fields.items())))
 
 
 def tuned_gemm(

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Grouped FP4 expert GEMM on tensor cores for batches above the GEMV's hand-over
-(:func:`.dispatch.backend_for`).
+(:func:`.handover.choose`).
 
 Same functions as :mod:`.gemv` (:func:`gemm_fc1` = FC1 with the gated activation fused,
 :func:`gemm_fc2` = FC2), same numerics contract (exact ``e2m1 x scale`` 16-bit products, fp32

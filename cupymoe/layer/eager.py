@@ -12,7 +12,10 @@ current stream), one graph launch on that stream and one output copy.
 Plan key: ``(n_tokens, x dtype, logits dtype, stream handle)``. The stream: the static buffers
 of a graph are written by every call that replays it; a graph per stream keeps calls on
 different streams from racing (calls on one stream are ordered by it), and each graph has its
-intermediate buffers to itself (``record_graph(own_workspace=True)``).
+intermediate buffers to itself (``record_graph(own_workspace=True)``). The two default streams
+(the legacy one, every thread's current stream unless it picks another, and the per-thread
+one) are one handle for all threads, so on them the key also names the thread: two threads'
+copies into one graph's buffers would interleave with their launches.
 
 The hit path (:meth:`EagerGraphs.hit`). Once a stream has run a graph, the next call on that
 stream with the same token count is matched by identity and integer comparisons against a
@@ -31,7 +34,8 @@ the same stream; it is only launched when all three addresses match, so it reads
 caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph and at most
 :data:`BIND_BUDGET` are ever recorded for it (a caller whose buffers never settle pays a bounded
 number of captures, then always copies). Not bound: addresses that are not 16-byte aligned (the
-kernels would take other specialisations), an ``out`` that overlaps an input, and any recording
+kernels would take other specialisations), arrays on another device than the layer's, an
+``out`` that overlaps an input, and any recording
 after an environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other
 tilings than the one it stands in for). A tuning cache read again in the same process
 (``cupymoe tune``, ``cupymoe.experts.cache.clear_cache``) is not detected: an in-place graph
@@ -101,21 +105,25 @@ BIND_BUDGET = 8
 # cudaMemcpyKind (cuda_runtime_api.h)
 _HOST_TO_DEVICE, _DEVICE_TO_HOST, _DEVICE_TO_DEVICE = 1, 2, 3
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread
+#: Handles shared by threads: the legacy default stream (every thread's current stream unless it
+#: picks another) and the per-thread default stream. Their graphs are kept per thread, since two
+#: threads' copies into one graph's buffers would interleave with the launches.
+_SHARED_HANDLES = (0, _PER_THREAD_STREAM)
 _ALIGN = 16  # the GEMV and finalize load 16 bytes at a time (other specialisations otherwise)
 
 
 def plan_key(n_tokens: int, dtype: Any, logits_dtype: Any, stream_handle: int) -> Hashable:
     """The key of a call's graph: its token count, dtypes and stream (see the module docstring).
-    The per-thread default stream is one handle for a stream per thread: the thread joins it."""
-    if stream_handle == _PER_THREAD_STREAM:
+    The default streams are one handle for every thread: the thread joins the key."""
+    if stream_handle in _SHARED_HANDLES:
         return (n_tokens, dtype, logits_dtype, stream_handle, threading.get_ident())
     return (n_tokens, dtype, logits_dtype, stream_handle)
 
 
 def _hit_key(stream_handle: int, x_size: int) -> Hashable:
-    """The key of :attr:`EagerGraphs.last`: a stream (a thread's, for the per-thread default
-    stream) and ``x.size``, which is ``n_tokens * hidden`` for every input of the layer."""
-    if stream_handle == _PER_THREAD_STREAM:
+    """The key of :attr:`EagerGraphs.last`: a stream (a thread's, for the default streams) and
+    ``x.size``, which is ``n_tokens * hidden`` for every input of the layer."""
+    if stream_handle in _SHARED_HANDLES:
         return (stream_handle, x_size, threading.get_ident())
     return (stream_handle, x_size)
 
@@ -332,7 +340,7 @@ class EagerGraphs:
         stream = cuda.current_stream().ptr
         size = x.size
         # _hit_key, inlined: a Python call costs a tenth of this method
-        if stream != _PER_THREAD_STREAM:
+        if stream not in _SHARED_HANDLES:
             r = self.last.get((stream, size))
         else:
             r = self.last.get((stream, size, threading.get_ident()))
@@ -366,8 +374,11 @@ class EagerGraphs:
         self._replay(r, x, logits, out, stream)
         try:
             self.graphs.touch(r.key)
-        except KeyError:  # evicted by another thread meanwhile; it synchronised first
-            pass
+        except KeyError:
+            # Evicted by another thread between the lookup and this replay: its synchronisation
+            # may have come before this launch, and the buffers go back to the pool with the
+            # last reference to r, so the work queued here must finish first.
+            cuda.synchronize()
         return out
 
     def _replay(self, r: Replay, x: Any, logits: Any, out: Any, stream: int) -> None:
@@ -403,7 +414,6 @@ class EagerGraphs:
         with self._record_lock:
             if r.binds_left <= 0 or addresses in r.bound:
                 return
-            r.binds_left -= 1
             graph = self._record_bound(r, x, logits, out)
             if graph is None:
                 return
@@ -419,10 +429,14 @@ class EagerGraphs:
             return None
         if x.data.ptr % _ALIGN or logits.data.ptr % _ALIGN or out.data.ptr % _ALIGN:
             return None
+        device = self.layer.device_layer().device_id
+        if any(a.data.device_id != device for a in (x, logits, out)):
+            return None  # copies reach another device's memory; the layer's kernels do not
         o0, o1 = out.data.ptr, out.data.ptr + out.nbytes
         for a in (x, logits):
             if a.data.ptr < o1 and o0 < a.data.ptr + a.nbytes:
                 return None  # safe with the copies; in place it would rest on the stage order
+        r.binds_left -= 1  # the budget counts captures, not refusals
         try:
             return record_in_place(self.layer, r.graph, x, logits, out)
         except Exception as error:  # the copies keep working; the error is kept for a look

@@ -418,7 +418,8 @@ class MoELayer:
         """Forget the CUDA graphs recorded for eager calls; the next call of each token count
         records again, with the tilings the tuning cache and ``CUPYMOE_GEMV_CONFIG`` give then.
         A recorded graph keeps what it read (:data:`~cupymoe.layer.eager.RECORDED_ONCE`): after
-        changing ``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL`` or ``CUPYMOE_CLUSTERS`` call this."""
+        changing ``CUPYMOE_GEMV_CONFIG``, ``CUPYMOE_PDL``, ``CUPYMOE_CLUSTERS`` or
+        ``CUPYMOE_WGMMA``, or the tuning cache in this process, call this."""
         if self._graphs is not None:
             self._graphs.clear()
 
