@@ -298,12 +298,20 @@ def test_a_hit_is_two_copies_one_launch_one_copy(fake: Any) -> None:
     assert fake.cuda.take() == _copy_path(r, x, logits, result)
 
 
+def _on_device(device_id: int, a: _FakeArray) -> _FakeArray:
+    a.data.device_id = device_id
+    return a
+
+
 def _decline_cases() -> list[Any]:
     """Inputs that differ from the recorded (1, H) bf16 / (1, E) fp32 graph in one respect each
     (the checked path then accepts or rejects them)."""
     f16 = np.float16
     return [
         pytest.param(lambda x, lg, o: (_FakeArray((1, H), f16), lg, o), id="x-fp16"),
+        pytest.param(
+            lambda x, lg, o: (_on_device(1, _FakeArray((1, H), BF16)), lg, o), id="x-gpu1"
+        ),
         pytest.param(lambda x, lg, o: (x, _FakeArray((1, E), np.float64), o), id="logits-fp64"),
         pytest.param(
             lambda x, lg, o: (x, _FakeArray((1, E), np.float32, strides=(4 * E + 32, 4)), o),

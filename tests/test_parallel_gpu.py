@@ -87,3 +87,26 @@ def test_world_equals_one_gpu(world: int, tokens: int, tmp_path: Path) -> None:
         lambda rank: [sys.executable, "-m", "cupymoe.parallel.launch", *args],
         timeout=300,
     )
+
+
+@pytest.mark.gpu
+def test_inputs_on_another_gpu_are_a_value_error() -> None:
+    """A layer's weights live on the GPU of its first call: inputs on another GPU get a
+    ValueError before any kernel runs (the eager copies would reach them, the kernels not)."""
+    if _gpus() < 2:
+        pytest.skip(f"needs 2 GPUs, found {_gpus()}")
+    import cupy
+
+    rng = np.random.default_rng(7)
+    layer = _small(rng, top_k=2, max_tokens=8)
+    x = rng.standard_normal((4, 256)).astype(BF16)
+    logits = rng.standard_normal((4, 24)).astype(np.float32)
+    with cupy.cuda.Device(0):
+        expected = cupy.asnumpy(layer(cupy.asarray(x), cupy.asarray(logits)))
+    with cupy.cuda.Device(1):
+        xd, ld = cupy.asarray(x), cupy.asarray(logits)
+        with pytest.raises(ValueError, match="x: on GPU 1, the layer's weights are on GPU 0"):
+            layer(xd, ld)
+    with cupy.cuda.Device(0):
+        got = cupy.asnumpy(layer(cupy.asarray(x), cupy.asarray(logits)))
+    assert np.array_equal(got.view(np.uint16), expected.view(np.uint16))

@@ -167,6 +167,7 @@ class Replay:
     """One recorded graph and what a call that replays it needs, precomputed.
 
     A call matches when ``x.dtype is dtype``, ``x.strides == strides``, ``len(x) == n_tokens``,
+    ``x`` is on the graph's device (``device_id``: every device's legacy stream is handle 0),
     the same for the logits (``logits_*``; their row count is ``n_tokens`` too) and, when given,
     for ``out`` (``x``'s). ``x.size`` and the stream are the key it was found under. Then the
     call copies ``x_nbytes`` to ``x_dst`` and ``logits_nbytes`` to ``logits_dst``, launches
@@ -178,6 +179,7 @@ class Replay:
         "bind_error",
         "binds_left",
         "bound",
+        "device_id",
         "dtype",
         "environment",
         "graph",
@@ -204,6 +206,7 @@ class Replay:
         self.graph_exec: int = graph.exec_handle
         self.n_tokens: int = int(graph.x.shape[0])
         self.dtype = graph.x.dtype
+        self.device_id: int = graph.x.data.device_id
         self.strides: tuple[int, ...] = tuple(graph.x.strides)
         self.logits_dtype = logits.dtype
         self.logits_strides: tuple[int, ...] = tuple(logits.strides)
@@ -349,6 +352,7 @@ class EagerGraphs:
             r is None
             or x.dtype is not r.dtype
             or x.strides != r.strides
+            or x.data.device_id != r.device_id
             or len(x) != r.n_tokens
             or logits.dtype is not r.logits_dtype
             or logits.strides != r.logits_strides

@@ -290,6 +290,13 @@ class MoELayer:
                 f"router_logits: expected dtype bfloat16, float16, float32 or float64, "
                 f"got {router_logits.dtype}"
             )
+        if on_device and self._gpu is not None:  # the weights live on one GPU
+            for name, a in (("x", x), ("router_logits", router_logits)):
+                if a.data.device_id != self._gpu.device_id:
+                    raise ValueError(
+                        f"{name}: on GPU {a.data.device_id}, the layer's weights are on GPU "
+                        f"{self._gpu.device_id}"
+                    )
         if on_device and m > 0:  # the kernels read rows in place: check before any launch
             if not x.flags.c_contiguous:
                 raise ValueError(
