@@ -53,8 +53,7 @@ def device(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> dict[str,
     for module in (handover, gemv):
         monkeypatch.setattr(module, "device_name", lambda: DEVICE)
     monkeypatch.setattr(gemm, "compute_capability", lambda: state["cc"])
-    for module in (gemm, handover):
-        monkeypatch.setattr(module, "max_shared_per_block", lambda: 227 * 1024)
+    monkeypatch.setattr(gemm, "max_shared_per_block", lambda: 227 * 1024)
     monkeypatch.setattr(cache, "_default_file", lambda: str(state["path"]))
     for name in (ENV_WGMMA, ENV_GEMV_CONFIG):
         monkeypatch.delenv(name, raising=False)

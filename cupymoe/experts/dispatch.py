@@ -30,7 +30,14 @@ from .batched import fc1_batched, fc2_batched
 from .config import GemvConfig
 from .gemm import GemmConfig, WgmmaConfig, gemm_fc1, gemm_fc1_single, gemm_fc2
 from .gemv import PreparedFc1, PreparedFc2, gemv_fc1, gemv_fc1_single, gemv_fc2, scale_shift
-from .handover import DEFAULT_HAND_OVER, GEMV_MAX_ROWS_PER_EXPERT, Backend, HandOver, choose
+from .handover import (
+    DEFAULT_HAND_OVER,
+    GEMV_MAX_ROWS_PER_EXPERT,
+    Backend,
+    HandOver,
+    choose,
+    rows_per_expert,
+)
 from .layouts import WeightLayout
 
 __all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "Backend", "backend_for", "capturable", "fc1", "fc2"]
@@ -52,8 +59,7 @@ def backend_for(
         return Backend.BATCHED
     if layout is not WeightLayout.SPLIT:
         return Backend.GEMV
-    per_expert = rows / max(1, min(rows, n_experts))
-    return Backend.GEMV if per_expert <= hand_over.gemv_max else Backend.GEMM
+    return Backend.GEMV if rows_per_expert(rows, n_experts) <= hand_over.gemv_max else Backend.GEMM
 
 
 def capturable(shift: int | None) -> bool:

@@ -37,7 +37,7 @@ import functools
 import warnings
 from typing import Any
 
-from .._runtime.device import device_name, max_shared_per_block
+from .._runtime.device import device_name
 from ..formats import Fp4Format
 from . import cache
 from .config import GemvConfig
@@ -245,11 +245,8 @@ def tuned_choice(
         _warn_unusable(str(path or cache.cache_path()), found, choice)
         return None
     if isinstance(choice[1], WgmmaConfig) and not wgmma_enabled():
-        fmt_code = Fp4Format.parse(fmt, "fmt").code
-        mma = GemmConfig.for_rows(
-            rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()
-        )
-        return Backend.GEMM, mma
+        # default_config gives the mma.sync table wherever the wgmma kernel does not run
+        return Backend.GEMM, default_config(rows, n_experts, Fp4Format.parse(fmt, "fmt").code)
     return choice
 
 

@@ -265,8 +265,12 @@ def candidate_label(config: GemvConfig | GemmConfig | WgmmaConfig) -> str:
     ``"mma 4x1x2x4x4"`` (warps_m x warps_n x mt x nt x stages), ``"wgmma 128x4"`` (bn x stages)."""
     if isinstance(config, GemvConfig):
         return f"gemv {config.cta_n}x{config.threads}"
-    kind = "wgmma" if isinstance(config, WgmmaConfig) else "mma"
-    return f"{kind} {'x'.join(map(str, config.key))}"
+    return f"{_gemm_kind(config)} {'x'.join(map(str, config.key))}"
+
+
+def _gemm_kind(config: GemmConfig | WgmmaConfig) -> str:
+    """The kernel a grouped-GEMM tiling runs: ``"wgmma"`` or ``"mma"`` (the cache's tag)."""
+    return "wgmma" if isinstance(config, WgmmaConfig) else "mma"
 
 
 def _problem_tokens(bucket: int, n_experts: int, top_k: int) -> int:
@@ -441,8 +445,7 @@ def _stored_choice(config: GemvConfig | GemmConfig | WgmmaConfig) -> dict[str, A
     GEMV cache's and table's), the fields tagged by kernel for the GEMM."""
     if isinstance(config, GemvConfig):
         return {"backend": "gemv", "config": None}
-    kind = "wgmma" if isinstance(config, WgmmaConfig) else "mma"
-    return {"backend": "gemm", "config": {"kind": kind, **dataclasses.asdict(config)}}
+    return {"backend": "gemm", "config": {"kind": _gemm_kind(config), **dataclasses.asdict(config)}}
 
 
 def gemm_table(results: dict[str, dict[str, Any]]) -> str:

@@ -35,9 +35,9 @@ caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph a
 :data:`BIND_BUDGET` are ever recorded for it (a caller whose buffers never settle pays a bounded
 number of captures, then always copies). Not bound: addresses that are not 16-byte aligned (the
 kernels would take other specialisations), arrays on another device than the layer's, an
-``out`` that overlaps an input, and any recording
-after an environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other
-tilings than the one it stands in for). A tuning cache read again in the same process
+``out`` that overlaps an input, and any recording after an environment variable of
+:data:`RECORDED_ONCE` changed (the new graph would take other tilings than the one it stands in
+for). A tuning cache read again in the same process
 (``cupymoe tune``, ``cupymoe.experts.cache.clear_cache``) is not detected: an in-place graph
 recorded after it takes the new tilings; call ``MoELayer.clear_cache`` after it, as for the
 variables.
