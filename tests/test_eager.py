@@ -37,6 +37,7 @@ from cupymoe.layer.eager import (
     CudaCalls,
     EagerGraphs,
     GraphCache,
+    hit_key,
     plan_key,
 )
 from cupymoe.presets import PRESETS, random_fp4_experts, random_layer_gpu
@@ -664,7 +665,7 @@ def test_in_place_replays_read_the_buffers_when_they_run() -> None:
     out = cupy.empty_like(want0)
     for _ in range(BIND_AFTER + 1):
         layer(xd, ld, out=out)
-    r = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    r = layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)]
     assert len(r.bound) == 1, r.bind_error
     assert _same(out, want0)
     xd[...] = cupy.asarray(x1)  # new contents, same buffers, same stream: the next call sees them
@@ -688,7 +689,7 @@ def test_out_overlapping_x_is_copied_not_bound() -> None:
     for step in range(1, BIND_AFTER + 3):
         assert layer(xd, ld, out=xd) is xd
         assert _same(xd, want[step]), f"call {step}"
-    r = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    r = layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)]
     assert not r.bound and r.bind_error is None
 
 
@@ -832,11 +833,11 @@ def test_gemv_config_is_read_when_a_graph_is_recorded(monkeypatch: pytest.Monkey
     out = cupy.empty_like(first)
     for _ in range(2 * BIND_AFTER):  # read once: no in-place graph is recorded with it either
         assert _same(layer(xd, ld, out=out), first), "a recorded graph keeps its tilings"
-    recorded = layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)]
+    recorded = layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)]
     assert not recorded.bound and recorded.binds_left == 0
     forced = layer(xd, ld, replay=False)  # the stage launches read the variable every call
     layer.clear_cache()
     assert _same(layer(xd, ld), forced), "after clear_cache the graph is recorded with it"
     for _ in range(2 * BIND_AFTER):
         assert _same(layer(xd, ld, out=out), forced), "and the in-place graph too"
-    assert layer._graphs.last[(cupy.cuda.get_current_stream().ptr, xd.size)].bound
+    assert layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)].bound

@@ -120,7 +120,7 @@ def plan_key(n_tokens: int, dtype: Any, logits_dtype: Any, stream_handle: int) -
     return (n_tokens, dtype, logits_dtype, stream_handle)
 
 
-def _hit_key(stream_handle: int, x_size: int) -> Hashable:
+def hit_key(stream_handle: int, x_size: int) -> Hashable:
     """The key of :attr:`EagerGraphs.last`: a stream (a thread's, for the default streams) and
     ``x.size``, which is ``n_tokens * hidden`` for every input of the layer."""
     if stream_handle in _SHARED_HANDLES:
@@ -342,7 +342,7 @@ class EagerGraphs:
             return None
         stream = cuda.current_stream().ptr
         size = x.size
-        # _hit_key, inlined: a Python call costs a tenth of this method
+        # hit_key, inlined: a Python call costs a tenth of this method
         if stream not in _SHARED_HANDLES:
             r = self.last.get((stream, size))
         else:
@@ -465,7 +465,7 @@ class EagerGraphs:
             # the next call like this one is a hit; its dtypes are compared by identity (equal
             # dtypes are one object but for the rare copies, which then adopt this call's)
             r.dtype, r.logits_dtype = x.dtype, logits.dtype
-            self.last[_hit_key(s, x.size)] = r
+            self.last[hit_key(s, x.size)] = r
             self._replay(r, x, logits, out, s)
             return out
         # C-contiguous x or logits with other strides (one row), or logits rows with a larger
