@@ -23,7 +23,7 @@ from cupymoe.experts.gemm import (
     row_tiles,
     schedule_ref,
 )
-from cupymoe.experts.layouts import WeightLayout
+from cupymoe.experts.layouts import WeightLayout, split_positions
 from cupymoe.experts.reference import fc1_ref, fc2_ref
 from cupymoe.presets import random_fp4_experts
 from cupymoe.routing import Routing, expert_maps_ref
@@ -229,6 +229,27 @@ def test_gemm_matches_references(
     again = cupy.full_like(y, np.nan)
     gemm_fc2(cupy.asarray(hin), w2, routing, shift=scale_shift(w2, dtype), out=again, config=cfg)
     assert bool((again.view(np.uint16) == y.view(np.uint16)).all())
+    if isinstance(cfg, WgmmaConfig):  # h in the split k order between the wgmma stages
+        pos = cupy.asarray(split_positions(i))
+        h_perm = cupy.full_like(h_out, np.nan)
+        gemm_fc1(
+            cupy.asarray(x),
+            w1,
+            routing,
+            act=act,
+            top_k=k,
+            shift=scale_shift(w1, dtype),
+            out=h_perm,
+            config=cfg,
+            permuted_h=True,
+        )
+        assert bool((h_perm[:, pos].view(np.uint16) == h_out.view(np.uint16)).all()), "fc1"
+        hin_perm = cupy.empty_like(y[:, :i])
+        hin_perm[:, pos] = cupy.asarray(hin)
+        y_perm = cupy.full_like(y, np.nan)
+        shift2 = scale_shift(w2, dtype)
+        gemm_fc2(hin_perm, w2, routing, shift=shift2, out=y_perm, config=cfg, permuted_h=True)
+        assert bool((y_perm.view(np.uint16) == y.view(np.uint16)).all()), "fc2"
 
 
 @pytest.mark.gpu
@@ -428,3 +449,105 @@ def test_backend_override_errors() -> None:
         dispatch._choose("gemv", None, auto)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="config"):
         dispatch._choose(None, (16, 128), auto)
+
+
+def _split_order_by_the_producer(n: int) -> np.ndarray:
+    """The wgmma producer's register path, transcribed: lane group q loads the 8-element pieces
+    32t + 8q (t = 0..3) of a stage and stores word c of piece t as word t of logical chunk
+    4 (q % 2) + c of half q // 2. Returns, per column, the position it is stored at."""
+    pos = np.arange(n)
+    for s0 in range(0, n // 128 * 128, 128):
+        for q in range(4):
+            for t in range(4):
+                for c in range(4):
+                    for e in range(2):
+                        col = s0 + 32 * t + 8 * q + 2 * c + e
+                        pos[col] = s0 + 64 * (q // 2) + 8 * (4 * (q % 2) + c) + 2 * t + e
+    return pos
+
+
+@pytest.mark.parametrize("n", [0, 64, 128, 160, 512, 2880])
+def test_split_positions_are_the_producers_b_order(n: int) -> None:
+    """FC1's permuted h puts each column where the FC2 producer used to store it, a bijection
+    per whole stage; a last partial stage stays in place."""
+    pos = split_positions(n)
+    assert np.array_equal(pos, _split_order_by_the_producer(n))
+    assert np.array_equal(np.sort(pos), np.arange(n))
+    tail = n // 128 * 128
+    assert np.array_equal(pos[tail:], np.arange(tail, n))
+    with pytest.raises(ValueError, match="n: expected an int >= 0"):
+        split_positions(-1)
+
+
+def test_permuted_h_needs_the_wgmma_kernel(rng: np.random.Generator) -> None:
+    """permuted_h on a call that resolves to another backend is a ValueError before any kernel
+    (here on the CPU: the checks come before the launch)."""
+    from cupymoe.experts import dispatch, gemm
+    from cupymoe.experts.dispatch import Backend
+
+    with pytest.raises(ValueError, match="permuted_h: only the wgmma kernel"):
+        gemm._check_permuted(GemmConfig(*GEMM_TILINGS[0]), True)
+    gemm._check_permuted(GemmConfig(*GEMM_TILINGS[0]), False)
+    with pytest.raises(ValueError, match="only the wgmma GEMM .* runs the gemv backend"):
+        dispatch._check_permuted(True, Backend.GEMV, None)
+    with pytest.raises(ValueError, match="runs the mma.sync GEMM"):
+        dispatch._check_permuted(True, Backend.GEMM, GemmConfig(*GEMM_TILINGS[0]))
+    assert gemm._permuted_arg(GemmConfig(*GEMM_TILINGS[0]), False) == ()
+    assert gemm._permuted_arg(WgmmaConfig(*WGMMA_TILINGS[0]), True) == (np.int32(1),)
+
+
+def test_permutes_h_asks_both_stages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer passes h in the split order only where FC1 and FC2 both take the wgmma GEMM."""
+    from cupymoe.experts import dispatch
+    from cupymoe.experts.dispatch import Backend
+
+    wg, mma = WgmmaConfig(*WGMMA_TILINGS[0]), GemmConfig(*GEMM_TILINGS[0])
+    monkeypatch.setattr(dispatch, "scale_shift", lambda w, dtype: 0)
+    for picks, want in (
+        ({"a": (Backend.GEMM, wg), "b": (Backend.GEMM, wg)}, True),
+        ({"a": (Backend.GEMM, wg), "b": (Backend.GEMM, mma)}, False),
+        ({"a": (Backend.GEMV, None), "b": (Backend.GEMM, wg)}, False),
+    ):
+        monkeypatch.setattr(dispatch, "choose", lambda w, rows, dtype, shift, p=picks: p[w])
+        assert dispatch.permutes_h("a", "b", 512, BF16) is want  # type: ignore[arg-type]
+    monkeypatch.setattr(dispatch, "scale_shift", lambda w, dtype: None)  # the batched fallback
+    assert dispatch.permutes_h("a", "b", 512, BF16) is False  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("activation", "i"), [("swiglu", 320), ("relu", 256), ("swiglu_oai", 96)])
+def test_layer_passes_h_in_the_split_order(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, activation: str, i: int
+) -> None:
+    """Where both expert stages run the wgmma kernel the layer passes h in the split k order
+    (I = 320: two whole stages and a partial one; 96: none whole); the result equals the
+    natural-order layer bitwise and the float64 reference."""
+    import cupy
+
+    import cupymoe as cm
+    from cupymoe.experts.gemm import wgmma_enabled
+    from cupymoe.layer import device
+
+    if not wgmma_enabled():
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    e, h, k, m = 8, 256, 2, 512  # 128 rows per expert: the wgmma kernel for both stages
+    gated = activation != "relu"
+    fmt = "mxfp4" if activation == "swiglu_oai" else "nvfp4"
+    w1 = random_fp4_experts(rng, e, i, h, fmt)
+    fc1: Any = (w1, random_fp4_experts(rng, e, i, h, fmt)) if gated else w1
+    layer = cm.MoELayer(fc1, random_fp4_experts(rng, e, h, i, fmt), top_k=k, max_tokens=m,
+                        activation=activation)  # fmt: skip
+    x = rng.standard_normal((m, h)).astype(BF16)
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    xd, ld = cupy.asarray(x), cupy.asarray(logits)
+    dl = layer.device_layer()
+    assert device.permutes_h(dl.fc1_weights, dl.fc2_weights, m * k, BF16)
+    split = layer(xd, ld, replay=False)
+    graph = layer(xd, ld)
+    monkeypatch.setattr(device, "permutes_h", lambda *args: False)
+    natural = layer(xd, ld, replay=False)
+    assert bool((split.view(np.uint16) == natural.view(np.uint16)).all())
+    assert bool((graph.view(np.uint16) == natural.view(np.uint16)).all())
+    max_rel, rms_rel = tolerance_for(BF16)
+    ref = cm.moe_reference(x, logits, layer)
+    assert_close(ref, split, max_rel=2 * max_rel, rms_rel=2 * rms_rel, name=activation)

@@ -27,6 +27,9 @@ struct Params {
     void* out;                  // [rows, n] of T, expanded order
     int n_experts, slots, n, k, chunks, top_k, scale_shift;
     ActArgs act;
+    // The wgmma kernel only (gemm_sm90.cu), 0 elsewhere: FC1 writes h, FC2 reads x, with each
+    // whole 128-column stage in the split k order (split_position).
+    int permuted_h;
 };
 
 // One work item: row tile of an expert and a column block.

@@ -194,6 +194,29 @@ __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// 16 bytes global -> shared without registers; src_bytes 0 fills the 16 bytes with zeros (and
+// reads nothing). Generic-proxy writes: a consumer fences them into the async proxy.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+// Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counted as one
+// of its expected arrivals).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// Where column c of h goes when FC1 writes it for a wgmma FC2 (Params::permuted_h): within each
+// whole stage of 128 columns, c = 32t + 8q + 4h + 2kc + e moves to 64 (q / 2) + 8j + 2t + e with
+// j = 4 (q % 2) + 2h + kc, the order in which the producer otherwise stores the activations into
+// the B layout (half q / 2, logical chunk j, word t). Columns from `whole` on (the last partial
+// stage) stay in place. experts/layouts.split_positions is the NumPy transcription.
+__device__ __forceinline__ int split_position(int c, int whole) {
+    if (c >= whole) return c;
+    const int l = c & 127, t = l >> 5, q = (l >> 3) & 3, h = (l >> 2) & 1, kc = (l >> 1) & 1;
+    return (c & ~127) + 64 * (q >> 1) + 8 * (4 * (q & 1) + 2 * h + kc) + 2 * t + (l & 1);
+}
+
 // ---- wgmma ----------------------------------------------------------------------------------
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
@@ -300,6 +323,33 @@ struct Gemm90 {
             for (int ks = 0; ks < ksteps; ++ks, ++st) {
                 const int slot = st % kStages;
                 const uint32_t parity = ((st / kStages) & 1) ^ 1;
+                if (kAct == 0 && p.permuted_h && (ks + 1) * kStageCodes <= p.k) {
+                    // x already holds the stage in the B order: 16-byte pieces straight into
+                    // their swizzled slots, no registers, so the producer moves on at once.
+                    mbar_wait(empty + 8 * slot, parity);
+                    const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
+                    if (warp == 0) {
+                        if (lane == 0)
+                            mbar_expect_tx(full + 8 * slot,
+                                           live_tiles * kStageChunks * (256 + kScaleChunkBytes));
+                        __syncwarp();
+                        if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, kStageChunks * cunit, full + 8 * slot);
+                    }
+#pragma unroll
+                    for (int ps = 0; ps < kRowPasses; ++ps) {
+                        const int n = ps * 32 + warp * 8 + lane % 8;
+                        const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
+                        const T* const from = src[ps] != nullptr ? src[ps] - 8 * q + ks * kStageCodes + 64 * (q / 2) : x;
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) {
+                            const int j = 4 * (q % 2) + c;
+                            cp_async16(row + (j ^ (n % 8)) * 16, from + (src[ps] != nullptr ? 8 * j : 0),
+                                       src[ps] != nullptr ? 16u : 0u);
+                        }
+                    }
+                    cp_async_arrive(full + 8 * slot);
+                    continue;
+                }
                 uint4 v[kRowPasses][4];
 #pragma unroll
                 for (int ps = 0; ps < kRowPasses; ++ps)
@@ -380,6 +430,7 @@ struct Gemm90 {
         for (int ks = 0; ks < ksteps; ++ks, ++st) {
             const int slot = st % kStages;
             mbar_wait(full + 8 * slot, (st / kStages) & 1);
+            if (kAct == 0 && p.permuted_h) fence_async_shared();  // the cp.async pieces, for wgmma
             const uint8_t* const stage = smem + slot * kStageBytes;
             const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
             const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -431,9 +482,11 @@ struct Gemm90 {
         const float f1 = kGated ? ldexpf(p.global1[it.e], post) : 0.0f;
         T* out = static_cast<T*>(p.out);
         const int tile = it.cblock * kBMT + mt;
+        const int whole = kAct != 0 && p.permuted_h ? p.n / kStageCodes * kStageCodes : 0;
         if constexpr (kGated) {
             const int col = tile * 8 + g;
             if (col >= p.n) return;
+            const int pos = split_position(col, whole);
             const float bg = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
             const float bu = kBias ? p.bias1[(size_t)it.e * p.n + col] : 0.0f;
 #pragma unroll
@@ -442,7 +495,7 @@ struct Gemm90 {
                 for (int u = 0; u < 2; ++u) {
                     const int n = 8 * jb + 2 * t + u;
                     if (n < it.rows)
-                        out[(size_t)(it.row0 + n) * p.n + col] = cm::from_float<T>(activate<kAct>(
+                        out[(size_t)(it.row0 + n) * p.n + pos] = cm::from_float<T>(activate<kAct>(
                             acc[4 * jb + u] * f0 + bg, acc[4 * jb + 2 + u] * f1 + bu, p.act));
                 }
         } else {
@@ -450,6 +503,7 @@ struct Gemm90 {
             for (int h = 0; h < 2; ++h) {
                 const int col = tile * 16 + g + 8 * h;
                 if (col >= p.n) continue;
+                const int pos = split_position(col, whole);
                 const float bias = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
 #pragma unroll
                 for (int jb = 0; jb < kBN / 8; ++jb)
@@ -457,7 +511,7 @@ struct Gemm90 {
                     for (int u = 0; u < 2; ++u) {
                         const int n = 8 * jb + 2 * t + u;
                         if (n < it.rows)
-                            out[(size_t)(it.row0 + n) * p.n + col] = cm::from_float<T>(
+                            out[(size_t)(it.row0 + n) * p.n + pos] = cm::from_float<T>(
                                 activate1<kAct>(acc[4 * jb + 2 * h + u] * f0 + bias, p.act));
                     }
             }
@@ -514,11 +568,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
                const float* __restrict__ bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
-               int k, int chunks, int scale_shift) {
+               int k, int chunks, int scale_shift, int permuted_h) {
     const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
-                   scale_shift, {0.0f, 0.0f, 0.0f}};
+                   scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
     gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p);
 }
 
@@ -531,12 +585,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const float* __restrict__ global_scale, const float* __restrict__ bias,
                       const int* __restrict__ expert_offsets, const int* __restrict__ active,
                       T* __restrict__ out, int n_experts, int slots, int n, int k, int chunks,
-                      int top_k, int scale_shift) {
+                      int top_k, int scale_shift, int permuted_h) {
     static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
     const Params p{x,      row_source, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, top_k,
-                   scale_shift, {0.0f, 0.0f, 0.0f}};
+                   scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
     gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
 }
 
@@ -550,11 +604,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
                int k, int chunks, int top_k, int scale_shift, float alpha, float beta,
-               float limit) {
+               float limit, int permuted_h) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source, gate,    up,        scales,         gate_global,
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
-                   scale_shift, {alpha, beta, limit}};
+                   scale_shift, {alpha, beta, limit}, permuted_h};
     gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
 }

@@ -40,7 +40,15 @@ from .handover import (
 )
 from .layouts import WeightLayout
 
-__all__ = ["GEMV_MAX_ROWS_PER_EXPERT", "Backend", "backend_for", "capturable", "fc1", "fc2"]
+__all__ = [
+    "GEMV_MAX_ROWS_PER_EXPERT",
+    "Backend",
+    "backend_for",
+    "capturable",
+    "fc1",
+    "fc2",
+    "permutes_h",
+]
 
 
 def backend_for(
@@ -127,6 +135,33 @@ def _resolve(
     )
 
 
+def _check_permuted(
+    permuted_h: bool, chosen: Backend, gemm_cfg: GemmConfig | WgmmaConfig | None
+) -> None:
+    if permuted_h and not (chosen is Backend.GEMM and isinstance(gemm_cfg, WgmmaConfig)):
+        kind = "the mma.sync GEMM" if chosen is Backend.GEMM else f"the {chosen.value} backend"
+        raise ValueError(
+            f"permuted_h: only the wgmma GEMM reads or writes h in the split k order; this call "
+            f"runs {kind}"
+        )
+
+
+def permutes_h(
+    fc1_weights: PreparedFc1 | PreparedFc2, fc2_weights: PreparedFc2, rows: int, dtype: Any
+) -> bool:
+    """Whether a layer's FC1 and FC2 at ``rows`` expanded rows both take the wgmma GEMM by the
+    automatic choice, so that FC1 writes h for FC2 with ``permuted_h`` (FC2's activation tiles
+    then go straight from global to shared memory, docs/kernels.md)."""
+    for weights in (fc1_weights, fc2_weights):
+        shift = scale_shift(weights, dtype)
+        if shift is None:
+            return False
+        chosen, tiling = choose(weights, rows, dtype, shift)
+        if chosen is not Backend.GEMM or not isinstance(tiling, WgmmaConfig):
+            return False
+    return True
+
+
 def fc1(
     x: Any,
     weights: PreparedFc1 | PreparedFc2,
@@ -137,6 +172,7 @@ def fc1(
     config: GemvConfig | GemmConfig | WgmmaConfig | None = None,
     backend: Backend | None = None,
     pdl: bool = False,
+    permuted_h: bool = False,
 ) -> Any:
     """FC1 with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``, or a
     non-gated one: ``h[r] = act(x[t] W[e]^T + b)``.
@@ -165,6 +201,11 @@ def fc1(
         A programmatic dependent launch (:mod:`cupymoe._runtime.launch`): the blocks build their
         scale tables while the previous kernel finishes and wait for it before they read the
         routing maps. Safe after any kernel.
+    permuted_h : bool
+        Write h with its whole 128-column stages in the split k order
+        (:func:`.layouts.split_positions`), for an :func:`fc2` with ``permuted_h`` that then
+        reads them without staging (``MoELayer`` passes it where :func:`permutes_h`). Only the
+        wgmma GEMM does: ``ValueError`` where the call resolves to another backend.
 
     Returns
     -------
@@ -198,6 +239,7 @@ def fc1(
     shift = scale_shift(weights, dtype)
     rows = n_tokens * top_k
     chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
+    _check_permuted(permuted_h, chosen, gemm_cfg)
     if chosen is Backend.BATCHED and isinstance(weights, PreparedFc2):
         return fc1_batched(
             x, weights.device_fp4(), None, routing, act=act, gate_bias=weights.bias, out=out
@@ -228,6 +270,7 @@ def fc1(
                 out=out,
                 config=gemm_cfg,
                 pdl=pdl,
+                permuted_h=permuted_h,
             )
         return gemv_fc1_single(
             x,
@@ -251,6 +294,7 @@ def fc1(
             out=out,
             config=gemm_cfg,
             pdl=pdl,
+            permuted_h=permuted_h,
         )
     return gemv_fc1(
         x, weights, routing, act=act, top_k=top_k, shift=shift, out=out, config=gemv_cfg, pdl=pdl
@@ -266,6 +310,7 @@ def fc2(
     config: GemvConfig | GemmConfig | WgmmaConfig | None = None,
     backend: Backend | None = None,
     pdl: bool = False,
+    permuted_h: bool = False,
 ) -> Any:
     """FC2: ``y[r] = h[r] W[e]^T + b[e]`` for every expanded row ``r`` of expert ``e``.
 
@@ -285,9 +330,19 @@ def fc2(
     dtype = check_activations(h, "h", w.k, rows, aligned=True)
     shift = scale_shift(weights, dtype)
     chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
+    _check_permuted(permuted_h, chosen, gemm_cfg)
     if chosen is Backend.BATCHED:
         return fc2_batched(h, weights.device_fp4(), routing, bias=weights.bias, out=out)
     assert shift is not None  # the tensor-core backends fold the scales
     if chosen is Backend.GEMM:
-        return gemm_fc2(h, weights, routing, shift=shift, out=out, config=gemm_cfg, pdl=pdl)
+        return gemm_fc2(
+            h,
+            weights,
+            routing,
+            shift=shift,
+            out=out,
+            config=gemm_cfg,
+            pdl=pdl,
+            permuted_h=permuted_h,
+        )
     return gemv_fc2(h, weights, routing, shift=shift, out=out, config=gemv_cfg, pdl=pdl)

@@ -342,6 +342,19 @@ def _check_runs_here(cfg: GemmConfig | WgmmaConfig) -> None:
         )
 
 
+def _check_permuted(cfg: GemmConfig | WgmmaConfig, permuted_h: bool) -> None:
+    if permuted_h and not isinstance(cfg, WgmmaConfig):
+        raise ValueError(
+            f"permuted_h: only the wgmma kernel reads or writes h in the split k order; this "
+            f"call runs the mma.sync tiling {cfg}"
+        )
+
+
+def _permuted_arg(cfg: GemmConfig | WgmmaConfig, permuted_h: bool) -> tuple[np.int32, ...]:
+    """The wgmma kernels' last argument (Params::permuted_h); the mma.sync kernels have none."""
+    return (np.int32(permuted_h),) if isinstance(cfg, WgmmaConfig) else ()
+
+
 def gemm_fc1(
     x: Any,
     weights: PreparedFc1,
@@ -353,13 +366,16 @@ def gemm_fc1(
     out: Any = None,
     config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
+    permuted_h: bool = False,
 ) -> Any:
     """FC1 as a grouped GEMM: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
 
     Arguments as validated by :func:`.dispatch.fc1`: ``weights`` a :class:`.gemv.PreparedFc1` in
     the SPLIT layout, ``shift`` the MXFP4 scale shift (:func:`.gemv.scale_shift`). Returns
     ``h [rows, intermediate]`` in expanded order, dtype of ``x``. Capturable; bitwise
-    deterministic for a given config.
+    deterministic for a given config. ``permuted_h`` (wgmma only): h's whole 128-column stages
+    in the split k order, which the wgmma FC2 reads without staging
+    (:func:`.layouts.split_positions`).
     """
     g = weights.gate
     if weights.layout is not WeightLayout.SPLIT:
@@ -371,6 +387,7 @@ def gemm_fc1(
         return out
     cfg = default_config(rows, g.n_experts, g.format.code) if config is None else config
     _check_runs_here(cfg)
+    _check_permuted(cfg, permuted_h)
     head = (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None)
     spec = _spec(cfg, "fc1", head)
     col_blocks = _ceil_div(_ceil_div(g.n, 8), cfg.m_tiles)  # m-tiles of 8 columns
@@ -391,6 +408,7 @@ def gemm_fc1(
             np.float32(act.alpha),
             np.float32(act.beta),
             np.float32(act.limit),
+            *_permuted_arg(cfg, permuted_h),
         ),
         shared_mem=smem,
         pdl=pdl,
@@ -407,12 +425,15 @@ def gemm_fc2(
     out: Any = None,
     config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
+    permuted_h: bool = False,
 ) -> Any:
     """FC2 as a grouped GEMM: ``y[r] = h[r] W[e]^T + b[e]`` (arguments as validated by
     :func:`.dispatch.fc2`; ``weights`` a :class:`.gemv.PreparedFc2` in the SPLIT layout).
     Returns ``y [rows, hidden]`` in expanded order, dtype of ``h``. A programmatic dependent
-    launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1)."""
-    return _gemm_single(h, weights, routing, int(h.shape[0]), None, 1, shift, out, config, pdl)
+    launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1).
+    ``permuted_h`` (wgmma only): ``h`` as :func:`gemm_fc1` writes it with ``permuted_h``."""
+    rows = int(h.shape[0])
+    return _gemm_single(h, weights, routing, rows, None, 1, shift, out, config, pdl, permuted_h)
 
 
 def gemm_fc1_single(
@@ -426,12 +447,14 @@ def gemm_fc1_single(
     out: Any = None,
     config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
+    permuted_h: bool = False,
 ) -> Any:
     """FC1 with a non-gated activation as a grouped GEMM: ``h[r] = act(x[t] W[e]^T + b[e])``
     (``weights`` the one ``[E, I, H]`` matrix, prepared like FC2; ``x`` in token order, read
-    through ``routing.sorted_rows``). Returns ``h [rows, intermediate]``, dtype of ``x``."""
+    through ``routing.sorted_rows``). Returns ``h [rows, intermediate]``, dtype of ``x``;
+    ``permuted_h`` as in :func:`gemm_fc1`."""
     rows = int(x.shape[0]) * top_k
-    return _gemm_single(x, weights, routing, rows, act, top_k, shift, out, config, pdl)
+    return _gemm_single(x, weights, routing, rows, act, top_k, shift, out, config, pdl, permuted_h)
 
 
 def _gemm_single(
@@ -445,6 +468,7 @@ def _gemm_single(
     out: Any,
     config: GemmConfig | WgmmaConfig | None,
     pdl: bool,
+    permuted_h: bool,
 ) -> Any:
     """One matrix per expert: FC2 (``act`` None, ``x`` in expanded order) or non-gated FC1."""
     w = weights.down
@@ -456,6 +480,7 @@ def _gemm_single(
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
     _check_runs_here(cfg)
+    _check_permuted(cfg, permuted_h)
     head = (w.format.code, CTYPE[dtype])
     bias = weights.bias is not None
     arrays = fc2_arrays(x, weights, routing, out)
@@ -480,6 +505,7 @@ def _gemm_single(
             np.int32(chunk_count(w.k)),
             *tail,
             np.int32(shift),
+            *_permuted_arg(cfg, permuted_h),
         ),
         shared_mem=smem,
         pdl=pdl,

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHUNK", "DEFAULT_LAYOUT", "WeightLayout", "check_expert_bytes", "chunk_count", "gemv_layout",
     "mx_scale_shift", "packed_from_layout", "pad_packed", "scale_range", "scales_from_tiles",
-    "split_slot", "split_words", "tile_scales", "unsplit_words",
+    "split_positions", "split_slot", "split_words", "tile_scales", "unsplit_words",
 ]
 # fmt: on
 
@@ -317,3 +317,18 @@ def _scale_range_host(scales: list[Any], fmt: Fp4Format) -> tuple[int, int] | No
 
 def scale_range(*mats: DeviceFp4) -> tuple[int, int] | None:
     return _scale_range_host([m.scales for m in mats], mats[0].format)
+
+
+def split_positions(n: int) -> np.ndarray:
+    """Where each of ``n`` columns of h goes when the wgmma FC1 writes it for the wgmma FC2
+    (``permuted_h``; ``split_position`` in cuda/gemm_sm90.cu): in every whole stage of 128
+    columns, column ``32t + 8q + 4h + 2kc + e`` moves to ``64 (q // 2) + 8j + 2t + e`` with
+    ``j = 4 (q % 2) + 2h + kc`` (the FC2 producer's B order: half, 16-byte chunk, word); the
+    columns of a last partial stage stay in place. ``h_permuted[:, split_positions(n)] = h``."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 0:
+        raise ValueError(f"n: expected an int >= 0, got {n!r}")
+    c = np.arange(int(n), dtype=np.int64)
+    lo = c % 128
+    t, q, h, kc, e = lo // 32, (lo // 8) % 4, (lo // 4) % 2, (lo // 2) % 2, lo % 2
+    moved = c - lo + 64 * (q // 2) + 8 * (4 * (q % 2) + 2 * h + kc) + 2 * t + e
+    return np.where(c < int(n) // 128 * 128, moved, c)

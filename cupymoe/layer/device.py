@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import require_cupy
-from ..experts.dispatch import capturable, fc1, fc2
+from ..experts.dispatch import capturable, fc1, fc2, permutes_h
 from ..experts.gemv import PreparedFc1, PreparedFc2, prepare_fc1, prepare_fc2, scale_shift
 from ..routing import Routing, route
 from .finalize import finalize
@@ -107,6 +107,9 @@ class DeviceLayer:
         # Programmatic dependent launches (cupymoe/_runtime/launch.py): each stage starts while the
         # one before it finishes; FC2 and finalize read the routing maps before their wait, which is
         # sound because the stage before each of them ran after routing had completed.
+        # Where both expert stages run the wgmma kernel, h passes between them in the split k
+        # order: FC2's producer then copies its tiles without staging them in registers.
+        permuted = permutes_h(self.fc1_weights, self.fc2_weights, rows, x.dtype)
         return [
             (
                 "route",
@@ -116,9 +119,20 @@ class DeviceLayer:
             ),
             (
                 "fc1",
-                lambda: fc1(x, self.fc1_weights, routing, act=layer.activation, out=h, pdl=True),
+                lambda: fc1(
+                    x,
+                    self.fc1_weights,
+                    routing,
+                    act=layer.activation,
+                    out=h,
+                    pdl=True,
+                    permuted_h=permuted,
+                ),
             ),
-            ("fc2", lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True)),
+            (
+                "fc2",
+                lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True, permuted_h=permuted),
+            ),
             ("finalize", lambda: finalize(y, routing, out=out, pdl=True)),
         ]
 
