@@ -207,17 +207,24 @@ def test_gemm_matches_references(
     routing = _device_routing(ids, e)
     cfg = _config(tiling)
     x = rng.standard_normal((m, h)).astype(dtype)
-    h_out = cupy.full((m * k, i), np.nan, dtype)  # poisoned: every element must be written
-    gemm_fc1(
-        cupy.asarray(x),
-        w1,
-        routing,
-        act=act,
-        top_k=k,
-        shift=scale_shift(w1, dtype),
-        out=h_out,
-        config=cfg,
-    )
+
+    def run_fc1(permuted_h: bool = False) -> Any:
+        out = cupy.full((m * k, i), np.nan, dtype)  # poisoned: every element must be written
+        shift = scale_shift(w1, dtype)
+        gemm_fc1(
+            cupy.asarray(x),
+            w1,
+            routing,
+            act=act,
+            top_k=k,
+            shift=shift,
+            out=out,
+            config=cfg,
+            permuted_h=permuted_h,
+        )
+        return out
+
+    h_out = run_fc1()
     offsets, rows, _, _ = expert_maps_ref(ids, e)
     ref1 = fc1_ref(x[rows // k], gate, up, offsets, act=act, gate_bias=biases[0], up_bias=biases[1])
     _close(ref1, h_out, dtype, "fc1")
@@ -231,18 +238,7 @@ def test_gemm_matches_references(
     assert bool((again.view(np.uint16) == y.view(np.uint16)).all())
     if isinstance(cfg, WgmmaConfig):  # h in the split k order between the wgmma stages
         pos = cupy.asarray(split_positions(i))
-        h_perm = cupy.full_like(h_out, np.nan)
-        gemm_fc1(
-            cupy.asarray(x),
-            w1,
-            routing,
-            act=act,
-            top_k=k,
-            shift=scale_shift(w1, dtype),
-            out=h_perm,
-            config=cfg,
-            permuted_h=True,
-        )
+        h_perm = run_fc1(permuted_h=True)
         assert bool((h_perm[:, pos].view(np.uint16) == h_out.view(np.uint16)).all()), "fc1"
         hin_perm = cupy.empty_like(y[:, :i])
         hin_perm[:, pos] = cupy.asarray(hin)
