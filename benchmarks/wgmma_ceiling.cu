@@ -22,7 +22,7 @@ template <int N> struct Op;
     if constexpr (SS) wgss##n(d, ad, b, sd); else wgrs##n(d, a, b, sd); } };
 OPS(32) OPS(64) OPS(128) OPS(256)
 
-// ALU: integer ops per group per thread between groups (decode stand-in)
+// ALU: integer operations per thread rewriting A before each group (where the decode sits).
 template <int N, int G, int W, int NWG, bool SS, int ALU>
 __global__ void __launch_bounds__(128 * NWG, 1) bench(float* out, int iters, long long* clk) {
   extern __shared__ __align__(1024) uint8_t sm_raw[];
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(128 * NWG, 1) bench(float* out, int iters, lon
 }
 
 template <int N, int G, int W, int NWG, bool SS, int ALU>
-void time_it(const char* name, float* out, long long* clk, int sms) {
+void time_it(float* out, long long* clk, int sms) {
   auto k = bench<N, G, W, NWG, SS, ALU>;
   cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, 65536 + 1024);
   int iters = 2000;
@@ -74,14 +74,14 @@ void time_it(const char* name, float* out, long long* clk, int sms) {
   std::vector<long long> c(sms); cudaMemcpy(c.data(), clk, sms * 8, cudaMemcpyDeviceToHost);
   double flops = 2.0 * 64 * N * 16 * (4.0 * G * iters) * NWG * sms;
   double ms = ts[2];
-  printf("%s,%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.0f,%.2f,%s\n", name, N, G, W, NWG, (int)SS, ALU, ms, flops / ms / 1e9,
+  printf("%d,%d,%d,%d,%d,%d,%.4f,%.1f,%.0f,%.2f,%s\n", N, G, W, NWG, (int)SS, ALU, ms, flops / ms / 1e9,
          c[0] / (ms * 1e3), c[0] / (4.0 * G * iters * NWG), cudaGetErrorString(cudaGetLastError()));
 }
 
 int main() {
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   float* out; long long* clk; cudaMalloc(&out, 4096); cudaMalloc(&clk, 8 * sms);
-#define T(N, G, W, NWG, SS, ALU) time_it<N, G, W, NWG, SS, ALU>("v", out, clk, sms);
+#define T(N, G, W, NWG, SS, ALU) time_it<N, G, W, NWG, SS, ALU>(out, clk, sms);
 #include "rows.inc"
   return 0;
 }

@@ -102,7 +102,7 @@ def main() -> None:
     print("| N | wgmma / group | wait | groups | A | alu | TFLOP/s | MHz | cycles/wgmma | ideal |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for line in lines:
-        _, *values, error = line.split(",")
+        *values, error = line.split(",")
         if error != "no error":
             raise RuntimeError(f"CUDA error: {error}")
         row: dict[str, float | bool] = dict(zip(FIELDS, map(float, values), strict=True))
@@ -121,7 +121,8 @@ def main() -> None:
                 capture_output=True,
                 text=True,
             ).stdout.splitlines()
-            json.dump({"device": gpu[:1], "command": command, "rows": rows}, f, indent=1)
+            device = gpu[0] if gpu else "unknown"
+            json.dump({"device": device, "command": command, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
