@@ -20,6 +20,7 @@ from cupymoe.experts.gemm import (
     WGMMA_TILINGS,
     GemmConfig,
     WgmmaConfig,
+    permute_split,
     row_tiles,
     schedule_ref,
 )
@@ -102,7 +103,7 @@ def test_wgmma_config_table() -> None:
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         assert cfg.shared_bytes(0, 2048) <= 227 * 1024 - 2048  # static: table and barriers
-        assert cfg.threads == 384 and cfg.m_tiles == 8
+        assert cfg.threads == 384 and cfg.m_tiles == 16
 
 
 def test_wgmma_specs_target_sm90a() -> None:
@@ -110,7 +111,9 @@ def test_wgmma_specs_target_sm90a() -> None:
     from cupymoe.experts.gemm import kernel_specs
 
     wgmma = [s for s in kernel_specs() if s.stage == "gemm_sm90"]
-    assert len(wgmma) == 2 * 2 * 2 * 8 * len(WGMMA_TILINGS)  # FC2 + 7 FC1 activations
+    permutes = [s for s in wgmma if s.name == "permute_split"]
+    assert len(wgmma) == 2 * 2 * 2 * 8 * len(WGMMA_TILINGS) + 2  # FC2 + 7 FC1 activations
+    assert sorted(s.args for s in permutes) == [("__half",), ("__nv_bfloat16",)]
     assert {s.target for s in wgmma} == {"sm_90a"}
     assert {target_arch(s, "sm_90") for s in wgmma} == {"sm_90a"}
     assert {target_arch(s, "sm_80") for s in wgmma} == {None}
@@ -208,11 +211,11 @@ def test_gemm_matches_references(
     cfg = _config(tiling)
     x = rng.standard_normal((m, h)).astype(dtype)
 
-    def run_fc1(permuted_h: bool = False) -> Any:
+    def run_fc1(permuted_h: bool = False, permuted_x: bool = False) -> Any:
         out = cupy.full((m * k, i), np.nan, dtype)  # poisoned: every element must be written
         shift = scale_shift(w1, dtype)
         gemm_fc1(
-            cupy.asarray(x),
+            permute_split(cupy.asarray(x)) if permuted_x else cupy.asarray(x),
             w1,
             routing,
             act=act,
@@ -221,6 +224,7 @@ def test_gemm_matches_references(
             out=out,
             config=cfg,
             permuted_h=permuted_h,
+            permuted_x=permuted_x,
         )
         return out
 
@@ -240,6 +244,8 @@ def test_gemm_matches_references(
         pos = cupy.asarray(split_positions(i))
         h_perm = run_fc1(permuted_h=True)
         assert bool((h_perm[:, pos].view(np.uint16) == h_out.view(np.uint16)).all()), "fc1"
+        h_from_split = run_fc1(permuted_x=True)  # x in the split order: the same h
+        assert bool((h_from_split.view(np.uint16) == h_out.view(np.uint16)).all()), "fc1 x"
         hin_perm = cupy.empty_like(y[:, :i])
         hin_perm[:, pos] = cupy.asarray(hin)
         y_perm = cupy.full_like(y, np.nan)
@@ -481,15 +487,23 @@ def test_permuted_h_needs_the_wgmma_kernel(rng: np.random.Generator) -> None:
     from cupymoe.experts import dispatch, gemm
     from cupymoe.experts.dispatch import Backend
 
+    mma, wg = GemmConfig(*GEMM_TILINGS[0]), WgmmaConfig(*WGMMA_TILINGS[0])
     with pytest.raises(ValueError, match="permuted_h: only the wgmma kernel"):
-        gemm._check_permuted(GemmConfig(*GEMM_TILINGS[0]), True)
-    gemm._check_permuted(GemmConfig(*GEMM_TILINGS[0]), False)
-    with pytest.raises(ValueError, match="only the wgmma GEMM .* runs the gemv backend"):
-        dispatch._check_permuted(True, Backend.GEMV, None)
-    with pytest.raises(ValueError, match="runs the mma.sync GEMM"):
-        dispatch._check_permuted(True, Backend.GEMM, GemmConfig(*GEMM_TILINGS[0]))
-    assert gemm._permuted_arg(GemmConfig(*GEMM_TILINGS[0]), False) == ()
-    assert gemm._permuted_arg(WgmmaConfig(*WGMMA_TILINGS[0]), True) == (np.int32(1),)
+        gemm._check_permuted(mma, True)
+    with pytest.raises(ValueError, match="permuted_x: only the wgmma kernel"):
+        gemm._check_permuted(mma, False, True)
+    gemm._check_permuted(mma, False, False)
+    gemm._check_permuted(wg, True, True)
+    with pytest.raises(ValueError, match="permuted_h: only the wgmma GEMM .* runs the gemv"):
+        dispatch._check_permuted(Backend.GEMV, None, permuted_h=True)
+    with pytest.raises(ValueError, match="permuted_x: .* runs the mma.sync GEMM"):
+        dispatch._check_permuted(Backend.GEMM, mma, permuted_h=False, permuted_x=True)
+    dispatch._check_permuted(Backend.GEMM, wg, permuted_h=True, permuted_x=True)
+    assert gemm._permuted_args(mma, False, True) == ()
+    assert gemm._permuted_args(wg, True) == (np.int32(1),)  # FC2: permuted_h only
+    assert gemm._permuted_args(wg, False, True) == (np.int32(0), np.int32(1))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemm.permute_split(np.zeros((2, 12), np.float16))
 
 
 def test_permutes_h_asks_both_stages(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -510,14 +524,60 @@ def test_permutes_h_asks_both_stages(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dispatch.permutes_h("a", "b", 512, BF16) is False  # type: ignore[arg-type]
 
 
+def test_permutes_x_needs_the_wgmma_fc1_and_a_whole_stage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer regroups x for FC1 only where FC1 takes the wgmma GEMM and x has a whole
+    128-column stage."""
+    import types
+
+    from cupymoe.experts import dispatch
+    from cupymoe.experts.dispatch import Backend
+
+    wg, mma = WgmmaConfig(*WGMMA_TILINGS[0]), GemmConfig(*GEMM_TILINGS[0])
+    monkeypatch.setattr(dispatch, "scale_shift", lambda w, dtype: 0)
+    for k, pick, want in (
+        (256, (Backend.GEMM, wg), True),
+        (128, (Backend.GEMM, wg), True),
+        (96, (Backend.GEMM, wg), False),
+        (256, (Backend.GEMM, mma), False),
+        (256, (Backend.GEMV, None), False),
+    ):
+        monkeypatch.setattr(dispatch, "choose", lambda w, rows, dtype, shift, p=pick: p)
+        weights = types.SimpleNamespace(gate=types.SimpleNamespace(k=k))
+        assert dispatch.permutes_x(weights, 512, BF16) is want  # type: ignore[arg-type]
+    monkeypatch.setattr(dispatch, "scale_shift", lambda w, dtype: None)
+    assert dispatch.permutes_x(weights, 512, BF16) is False  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, np.float16])
+@pytest.mark.parametrize("k", [8, 120, 128, 320, 2880])
+def test_permute_split_writes_the_split_positions(
+    rng: np.random.Generator, k: int, dtype: Any
+) -> None:
+    """permute_split moves column c to split_positions(k)[c] (a last partial stage, and a k below
+    one stage, in place), writing every element of a NaN-poisoned output."""
+    import cupy
+
+    from cupymoe.experts.gemm import wgmma_enabled
+
+    if not wgmma_enabled():
+        pytest.skip("permute_split serves the wgmma kernel (compute capability 9.0)")
+    x = rng.standard_normal((37, k)).astype(dtype)
+    out = cupy.full((37, k), np.nan, dtype)
+    assert permute_split(cupy.asarray(x), out=out) is out
+    want = np.empty_like(x)
+    want[:, split_positions(k)] = x
+    assert np.array_equal(out.get().view(np.uint16), want.view(np.uint16))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(("activation", "i"), [("swiglu", 320), ("relu", 256), ("swiglu_oai", 96)])
 def test_layer_passes_h_in_the_split_order(
     rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, activation: str, i: int
 ) -> None:
     """Where both expert stages run the wgmma kernel the layer passes h in the split k order
-    (I = 320: two whole stages and a partial one; 96: none whole); the result equals the
-    natural-order layer bitwise and the float64 reference."""
+    (I = 320: two whole stages and a partial one; 96: none whole) and gives FC1 x so regrouped
+    (H = 320); the result equals the natural-order layer bitwise and the float64 reference."""
     import cupy
 
     import cupymoe as cm
@@ -526,7 +586,7 @@ def test_layer_passes_h_in_the_split_order(
 
     if not wgmma_enabled():
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
-    e, h, k, m = 8, 256, 2, 512  # 128 rows per expert: the wgmma kernel for both stages
+    e, h, k, m = 8, 320, 2, 512  # 128 rows per expert: the wgmma kernel for both stages
     gated = activation != "relu"
     fmt = "mxfp4" if activation == "swiglu_oai" else "nvfp4"
     w1 = random_fp4_experts(rng, e, i, h, fmt)
@@ -538,9 +598,11 @@ def test_layer_passes_h_in_the_split_order(
     xd, ld = cupy.asarray(x), cupy.asarray(logits)
     dl = layer.device_layer()
     assert device.permutes_h(dl.fc1_weights, dl.fc2_weights, m * k, BF16)
+    assert device.permutes_x(dl.fc1_weights, m * k, BF16)
     split = layer(xd, ld, replay=False)
     graph = layer(xd, ld)
     monkeypatch.setattr(device, "permutes_h", lambda *args: False)
+    monkeypatch.setattr(device, "permutes_x", lambda *args: False)
     natural = layer(xd, ld, replay=False)
     assert bool((split.view(np.uint16) == natural.view(np.uint16)).all())
     assert bool((graph.view(np.uint16) == natural.view(np.uint16)).all())

@@ -28,8 +28,9 @@ struct Params {
     int n_experts, slots, n, k, chunks, top_k, scale_shift;
     ActArgs act;
     // The wgmma kernel only (gemm_sm90.cu), 0 elsewhere: FC1 writes h, FC2 reads x, with each
-    // whole 128-column stage in the split k order (split_position).
+    // whole 128-column stage in the split k order (split_position); FC1 reads x so.
     int permuted_h;
+    int permuted_x;
 };
 
 // One work item: row tile of an expert and a column block.

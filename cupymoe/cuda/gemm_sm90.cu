@@ -7,28 +7,37 @@
 //   FC1:  out[r, n] = act(x[t, :] . Wg[e, n, :] + bg[e, n],  x[t, :] . Wu[e, n, :] + bu[e, n])
 //         with t = row_source[r] / top_k (x is read in token order: no expand launch)
 //
-// Block tile: 128 weight rows (8 m-tiles of 16, FC1 m-tile = 8 gate + 8 up rows of the same 8
-// columns) x kBN expanded rows of one expert; K in stages of 128 codes, kStages deep.
+// Block tile: 256 weight rows (16 m-tiles of 16, FC1 m-tile = 8 gate + 8 up rows of the same 8
+// columns) x kBN expanded rows of one expert; K in stages of 128 codes, kStages deep. The
+// activations (B, 16-bit) are the larger operand: each block tile reads its kBN rows once per
+// column block, so the weight rows per tile set the bytes per MAC (128 rows moved 1.6x the bytes
+// per MAC of 256, and their layer ran 19-26 % slower at 4,096 tokens).
 //
-// Warp groups (384 threads). Group 0 is the producer: one lane per copy issues the weight and
-// scale bytes of a stage as bulk copies (cp.async.bulk, completing on the stage's "full"
-// mbarrier with their byte count), and all 128 threads gather the activation rows through the
-// expert map with 16-byte loads and store them into the wgmma B layout. Groups 1 and 2 are the
-// consumers: warp w of group c owns m-tile 4c + w, i.e. the 16 rows that wgmma m64nNk16 gives
-// that warp. Per stage a lane reads its 2 x 16 bytes of weight rows g, g + 8 of chunk t (the split
-// layout's rotated slots, conflict-free), decodes each 8-code word into the A fragment of two k16
-// steps (Decoder + exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma
-// against the stage's activations: the decode is shared by kBN tokens, B never passes through
-// registers, and the decode of step q + 1 overlaps the tensor cores' work on step q.
+// Warp groups (384 threads). Group 0 is the producer: one lane per copy (warps 0 and 1, eight
+// m-tiles each) issues the weight and scale bytes of a stage as bulk copies (cp.async.bulk,
+// completing on the stage's "full" mbarrier with their byte count), and all 128 threads gather
+// the activation rows through the expert map with 16-byte cp.async into the stage itself.
+// Groups 1 and 2 are the consumers: warp w of group c owns m-tiles 4c + w and 8 + 4c + w, i.e.
+// the 16 rows that each of two wgmma m64nNk16 give that warp. Per stage a lane reads its 2 x 16
+// bytes of weight rows g, g + 8 of chunk t per m-tile (the split layout's rotated slots,
+// conflict-free), decodes each 8-code word into the A fragment of two k16 steps (Decoder +
+// exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma against the stage's
+// activations: the decode is shared by kBN tokens, B never passes through registers, and the
+// decode of the next m-tile overlaps the tensor cores' work on this one. setmaxnreg gives the
+// consumers 200 registers (two m-tiles' accumulators) and the producer 104.
 //
 // The k order. In the split layout lane t holds chunk t (codes 32t .. 32t + 31) and the A fragment
 // of k16 step (q, h) takes codes 8q + 4h + {0, 1} (logical k 2t, 2t + 1) and 8q + 4h + {2, 3}
 // (logical k 2t + 8, 2t + 9) of each lane's chunk: the same k permutation as the GEMV's and the
-// mma.sync GEMM's. wgmma reads B in logical order, so the producer writes the activations
-// permuted to match: in core matrix kc of step s = 2q + h, row n, the 4-byte word t is
-// x[n, 32t + 8q + 4h + 2kc .. + 1]. A thread loads the four 16-byte pieces 32t + 8q (t = 0..3) of
-// one row and stores them regrouped as four 16-byte core-matrix rows: no shuffles, no bank
-// conflicts (the 8 lanes of a quarter warp write 8 consecutive rows of one core matrix).
+// mma.sync GEMM's. wgmma reads B in logical order, so B holds the activations permuted to match:
+// in core matrix kc of step s = 2q + h, row n, the 4-byte word t is x[n, 32t + 8q + 4h + 2kc ..
+// + 1]. Where the source already has its stages in that order (split_position: FC2's h from a
+// permuted_h FC1, FC1's x from permute_split) the producer copies each 16-byte piece straight
+// into its place. Otherwise (x in natural order, the last partial stage of K) thread q of a row
+// copies the four pieces 32t + 8q (t = 0..3) into the four 16-byte slots that its regrouping
+// will fill, and one stage later (when the copies have landed) reads them and writes them back
+// regrouped as four core-matrix rows: no other thread's data, no barrier, no bank conflicts (the
+// 8 lanes of a quarter warp touch 8 consecutive rows of one core matrix).
 //
 // B layout in shared memory: K-major with the 128-byte swizzle. The stage's 128 logical k are two
 // halves of 64; in half kh, row n is 128 bytes at kh * kBN * 128 + n * 128 whose 16-byte chunk j
@@ -38,11 +47,11 @@
 // s: start kh * kBN * 128 + (s % 4) * 32, stride (8-row group) byte offset 1024.
 //
 // Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
-// (256 consumer arrivals, after the wgmma that read the slot completed). The producer writes the
-// activation rows with ordinary stores: each producer thread fences them into the async proxy
-// before it arrives. Work items, their order and the schedule scan are gemm_items.cuh's; the
-// producer runs up to kStages stages ahead across item boundaries, so one item's epilogue
-// overlaps the next item's loads.
+// (256 consumer arrivals, after the wgmma that read the slot completed). A producer thread
+// arrives once its copies of the stage have landed (cp.async.mbarrier.arrive) or, for a
+// regrouped stage, after it fenced its stores into the async proxy. Work items, their order and
+// the schedule scan are gemm_items.cuh's; the producer runs up to kStages stages ahead across
+// item boundaries, so one item's epilogue overlaps the next item's loads.
 #include "common.cuh"
 #include "fp4_mma.cuh"
 #include "gemm_items.cuh"
@@ -151,7 +160,8 @@ constexpr int kChunk = 32;        // codes per 16-byte row piece of the split la
 constexpr int kStageChunks = 4;   // chunks per stage: chunk t for lane t
 constexpr int kStageCodes = kChunk * kStageChunks;
 constexpr int kMTileBytes = 1024; // one m-tile (16 weight rows) x 128 codes
-constexpr int kBMT = 8;           // m-tiles per block tile: 2 consumer groups x 4 warps
+constexpr int kBMT = 16;          // m-tiles per block tile: 2 consumer groups x 4 warps x kMT
+constexpr int kMT = kBMT / 8;     // m-tiles per consumer warp
 constexpr int kThreads = 384;     // producer group + 2 consumer groups
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -199,6 +209,11 @@ __device__ __forceinline__ void fence_async_shared() {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
                  : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most kPending of this thread's committed cp.async groups are in flight.
+template <int kPending> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 // Arrives on the mbarrier once this thread's earlier cp.async copies have landed (counted as one
 // of its expected arrivals).
@@ -263,13 +278,24 @@ struct Gemm90 {
     static constexpr int kABytes = kBMT * kMTileBytes;
     static constexpr int kAOff = kBBytes;
     static constexpr int kSOff = kBBytes + kABytes;
-    static constexpr int kStageBytes = kSOff + 1024;
+    static constexpr int kSPad = (kBMT * kScaleTileBytes + 1023) / 1024 * 1024;
+    static constexpr int kStageBytes = kSOff + kSPad;
+    // Registers per thread after the split (setmaxnreg; 128 x 104 + 256 x 200 <= 64 K): a
+    // consumer holds 2 x kAcc accumulators and two wgmma groups' A fragments; 192 serialises
+    // the wgmma (ptxas C7512), the producer spills below 104.
+    static constexpr int kProducerRegs = 104, kConsumerRegs = 200;
     static constexpr int kHalfBytes = kBN * 128;                  // B: 64 logical k of kBN rows
     static constexpr int kAcc = kBN / 2;                          // accumulators per thread
     static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
-    static_assert(kStageBytes % 1024 == 0 && kBMT * kScaleTileBytes <= 1024, "stage alignment");
+    static_assert(kStageBytes % 1024 == 0 && kBMT % 8 == 0, "stage alignment");
+    // The producer publishes a gathered slot kLag stages after its copies: the copies land while
+    // it issues the next stages'. It waits on a slot's empty barrier with kLag slots unpublished,
+    // which the consumers' early release (after the next stage's first wait) allows from
+    // kLag + 2 stages on.
+    static constexpr int kLag = 1;
+    static_assert(kStages >= kLag + 2, "the producer's lag needs kLag + 2 stages");
 
     const Params& p;
     uint8_t* smem;
@@ -278,18 +304,25 @@ struct Gemm90 {
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
     int tiles, col_blocks, ksteps, n_items;
 
+    // Whether the activations hold their whole stages in the split k order already (FC2's h
+    // from a permuted_h FC1, FC1's x from permute_split): the producer copies those as they are.
+    __device__ __forceinline__ bool split_source() const {
+        return kAct == 0 ? p.permuted_h != 0 : p.permuted_x != 0;
+    }
+
     __device__ __forceinline__ Item item(int index) const {
         return decode_item<kBN>(p, tile_start, col_blocks, index);
     }
 
     // Producer group: bulk copies of weights and scales (warp 0), activation rows (all).
     __device__ __forceinline__ void produce() const {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int q = lane / 8;  // this lane's pieces 32t + 8q of each row, t = 0..3
         const T* const x = static_cast<const T*>(p.x);
         const size_t a_expert = (size_t)tiles * kRowsPerTile * p.chunks * 16;
         const size_t s_expert = (size_t)tiles * p.chunks * kScaleChunkBytes;
-        int st = 0;
+        int st = 0, pub = 0;  // stages [pub, st) are gathered and not yet published
         for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
             const Item it = item(index);
             const T* src[kRowPasses];
@@ -302,9 +335,10 @@ struct Gemm90 {
             }
             // Copy lane: FC2 lanes 0-7 weights of m-tile lane, 8-15 its scales; FC1 lanes 0-7
             // gate, 8-15 up, 16-23 scales.
-            const int ctile = lane % 8, cpart = lane / 8;
+            const int ctile = warp * 8 + lane % 8, cpart = lane / 8;
             const int tile = it.cblock * kBMT + ctile;
-            const int live_tiles = min(kBMT, tiles - it.cblock * kBMT);
+            // Warp w < kMT copies m-tiles 8w .. 8w + 7 of the block tile.
+            const int live_tiles = max(0, min(8, tiles - it.cblock * kBMT - warp * 8));
             const uint8_t* csrc;
             uint32_t cdst, cstride, cunit;
             if (cpart == (kGated ? 2 : 1)) {
@@ -318,17 +352,22 @@ struct Gemm90 {
                 cunit = kRowsPerTile * 16;
             }
             cstride = kStageChunks * cunit;
-            const bool copies = warp == 0 && cpart <= (kGated ? 2 : 1) && ctile < live_tiles;
+            const bool copies = warp < kMT && cpart <= (kGated ? 2 : 1) && lane % 8 < live_tiles;
 
             for (int ks = 0; ks < ksteps; ++ks, ++st) {
                 const int slot = st % kStages;
                 const uint32_t parity = ((st / kStages) & 1) ^ 1;
-                if (kAct == 0 && p.permuted_h && (ks + 1) * kStageCodes <= p.k) {
+                if (split_source() && (ks + 1) * kStageCodes <= p.k) {
                     // x already holds the stage in the B order: 16-byte pieces straight into
                     // their swizzled slots, no registers, so the producer moves on at once.
                     mbar_wait(empty + 8 * slot, parity);
+                    if (pub < st) {  // a K tail's gathered stage before a whole one
+                        cp_async_wait<0>();
+                        for (; pub < st; ++pub) publish(pub % kStages);
+                    }
+                    ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                    if (warp == 0) {
+                    if (warp < kMT) {
                         if (lane == 0)
                             mbar_expect_tx(full + 8 * slot,
                                            live_tiles * kStageChunks * (256 + kScaleChunkBytes));
@@ -338,67 +377,94 @@ struct Gemm90 {
 #pragma unroll
                     for (int ps = 0; ps < kRowPasses; ++ps) {
                         const int n = ps * 32 + warp * 8 + lane % 8;
-                        const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
-                        const T* const from = src[ps] != nullptr ? src[ps] - 8 * q + ks * kStageCodes + 64 * (q / 2) : x;
+                        const uint32_t row = stage + n * 128;
+                        const T* const from = src[ps] != nullptr ? src[ps] - 8 * q + ks * kStageCodes : x;
 #pragma unroll
                         for (int c = 0; c < 4; ++c) {
-                            const int j = 4 * (q % 2) + c;
-                            cp_async16(row + (j ^ (n % 8)) * 16, from + (src[ps] != nullptr ? 8 * j : 0),
+                            // Piece 4c + q: the 4 lanes of a row copy 64 contiguous bytes (whole
+                            // sectors) per instruction; it goes to half c / 2, chunk 4 (c % 2) + q.
+                            const int j = 4 * (c % 2) + q;
+                            cp_async16(row + (c / 2) * kHalfBytes + (j ^ (n % 8)) * 16,
+                                       from + (src[ps] != nullptr ? 8 * (4 * c + q) : 0),
                                        src[ps] != nullptr ? 16u : 0u);
                         }
                     }
                     cp_async_arrive(full + 8 * slot);
                     continue;
                 }
-                uint4 v[kRowPasses][4];
-#pragma unroll
-                for (int ps = 0; ps < kRowPasses; ++ps)
-#pragma unroll
-                    for (int t = 0; t < 4; ++t) {
-                        const int k = ks * kStageCodes + 32 * t + 8 * q;
-                        v[ps][t] = src[ps] != nullptr && k < p.k
-                                       ? *reinterpret_cast<const uint4*>(src[ps] + ks * kStageCodes + 32 * t)
-                                       : make_uint4(0u, 0u, 0u, 0u);
-                    }
                 mbar_wait(empty + 8 * slot, parity);
                 const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                if (warp == 0) {
+                if (warp < kMT) {
                     const int vc = min(kStageChunks, p.chunks - ks * kStageChunks);
                     if (lane == 0)
                         mbar_expect_tx(full + 8 * slot, live_tiles * vc * (256 + kScaleChunkBytes));
                     __syncwarp();
                     if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, vc * cunit, full + 8 * slot);
                 }
+                // Piece t (codes 32t + 8q) of row n lands in the 16 bytes that this thread's
+                // regrouping will overwrite (half q / 2, logical chunk 4 (q % 2) + t), so the
+                // regrouping needs no other thread's data and no barrier.
 #pragma unroll
                 for (int ps = 0; ps < kRowPasses; ++ps) {
                     const int n = ps * 32 + warp * 8 + lane % 8;
-                    // Step 2q + h, core kc: words x[32t + 8q + 4h + 2kc], t = 0..3, in half q / 2
-                    // at logical chunk j = 4 (q % 2) + 2h + kc, stored at chunk j ^ (n % 8).
                     const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
-                    const int j0 = 4 * (q % 2), r = n % 8;
-                    const uint4(&u)[4] = v[ps];
-                    sts128(row + ((j0 + 0) ^ r) * 16, u[0].x, u[1].x, u[2].x, u[3].x);
-                    sts128(row + ((j0 + 1) ^ r) * 16, u[0].y, u[1].y, u[2].y, u[3].y);
-                    sts128(row + ((j0 + 2) ^ r) * 16, u[0].z, u[1].z, u[2].z, u[3].z);
-                    sts128(row + ((j0 + 3) ^ r) * 16, u[0].w, u[1].w, u[2].w, u[3].w);
+#pragma unroll
+                    for (int t = 0; t < 4; ++t) {
+                        const int k = ks * kStageCodes + 32 * t + 8 * q;
+                        const bool live = src[ps] != nullptr && k < p.k;
+                        cp_async16(row + ((4 * (q % 2) + t) ^ (n % 8)) * 16,
+                                   live ? src[ps] + ks * kStageCodes + 32 * t : x, live ? 16u : 0u);
+                    }
                 }
-                fence_async_shared();
-                mbar_arrive(full + 8 * slot);
+                cp_async_commit();
+                if (st - pub >= kLag) {
+                    cp_async_wait<kLag>();
+                    publish(pub % kStages);
+                    ++pub;
+                }
             }
         }
+        cp_async_wait<0>();
+        for (; pub < st; ++pub) publish(pub % kStages);
     }
 
-    // Consumer groups: decode, wgmma, epilogue.
+    // A gathered slot into the B order, in place: each thread reads its own pieces t = 0..3
+    // (codes 32t + 8q of row n) and writes them regrouped (step 2q + h, core kc: words
+    // x[32t + 8q + 4h + 2kc], t = 0..3, at logical chunk j = 4 (q % 2) + 2h + kc of half q / 2,
+    // stored at chunk j ^ (n % 8)); then fences and arrives on the slot's full barrier.
+    __device__ __forceinline__ void publish(int slot) const {
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane / 8;
+        const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
+#pragma unroll
+        for (int ps = 0; ps < kRowPasses; ++ps) {
+            const int n = ps * 32 + warp * 8 + lane % 8;
+            const int off = (q / 2) * kHalfBytes + n * 128, j0 = 4 * (q % 2), r = n % 8;
+            const uint8_t* const from = smem + slot * kStageBytes + off;
+            uint4 u[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) u[t] = lds128(from + ((j0 + t) ^ r) * 16);
+            const uint32_t row = stage + off;
+            sts128(row + ((j0 + 0) ^ r) * 16, u[0].x, u[1].x, u[2].x, u[3].x);
+            sts128(row + ((j0 + 1) ^ r) * 16, u[0].y, u[1].y, u[2].y, u[3].y);
+            sts128(row + ((j0 + 2) ^ r) * 16, u[0].z, u[1].z, u[2].z, u[3].z);
+            sts128(row + ((j0 + 3) ^ r) * 16, u[0].w, u[1].w, u[2].w, u[3].w);
+        }
+        fence_async_shared();
+        mbar_arrive(full + 8 * slot);
+    }
+
+    // Consumer groups: decode, wgmma, epilogue. Warp w of group c supplies m-tiles
+    // 8u + 4c + w (u < kMT): the A fragments of kMT wgmma per k16 step on one B.
     __device__ __forceinline__ void consume() const {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
         const int group = threadIdx.x / 128 - 1;
         const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
         const int g = lane / 4, t = lane % 4;
-        const int mt = group * 4 + warp;
         // Row g of chunk t at slot (g + 2t) % 8 of its group of 8 (layouts.split_slot).
         const int a_off =
-            kAOff + mt * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
-        const int s_off = kSOff + mt * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
-        float acc[kAcc];
+            kAOff + (group * 4 + warp) * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
+        const int s_off = kSOff + (group * 4 + warp) * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
+        float acc[kMT][kAcc];
         int st = 0;
         for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
             const Item it = item(index);
@@ -414,61 +480,74 @@ struct Gemm90 {
             } else {
                 k_loop<32>(acc, st, a_off, s_off, t);
             }
-            epilogue(it, mt, acc);
+#pragma unroll
+            for (int u = 0; u < kMT; ++u) epilogue(it, 8 * u + group * 4 + warp, acc[u]);
         }
     }
 
-    // The K loop of one item at wgmma width kW (<= kBN) on the first kW / 2 accumulators (the
-    // others belong to rows past the tile, which the epilogue never stores). The slot whose last
-    // wgmma group may still read it is released once the next stage's first wait shows that group
-    // complete, so the tensor cores do not drain between stages.
+    // The K loop of one item at wgmma width kW (<= kBN) on the first kW / 2 accumulators of each
+    // m-tile (the others belong to rows past the tile, which the epilogue never stores). The slot
+    // whose last wgmma group may still read it is released once the next stage's first wait shows
+    // that group complete, so the tensor cores do not drain between stages.
     template <int kW>
-    __device__ __forceinline__ void k_loop(float (&acc)[kAcc], int& st, int a_off, int s_off,
+    __device__ __forceinline__ void k_loop(float (&acc)[kMT][kAcc], int& st, int a_off, int s_off,
                                            int t) const {
-        auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc);
         int reading = -1;
         for (int ks = 0; ks < ksteps; ++ks, ++st) {
             const int slot = st % kStages;
             mbar_wait(full + 8 * slot, (st / kStages) & 1);
-            if (kAct == 0 && p.permuted_h) fence_async_shared();  // the cp.async pieces, for wgmma
+            if (split_source()) fence_async_shared();  // the cp.async pieces, for wgmma
             const uint8_t* const stage = smem + slot * kStageBytes;
             const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
             const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-            const uint4 wv0 = live ? lds128(stage + a_off) : zero;
-            const uint4 wv1 = live ? lds128(stage + a_off + (kGated ? 512 : 128)) : zero;
-            const uint32_t sv = !live ? 0u : kScaleBytes == 4 ? lds32(stage + s_off) : lds16(stage + s_off);
-            const uint32_t w0[4] = {wv0.x, wv0.y, wv0.z, wv0.w};
-            const uint32_t w1[4] = {wv1.x, wv1.y, wv1.z, wv1.w};
+            uint32_t w0[kMT][4], w1[kMT][4], sv[kMT];
+#pragma unroll
+            for (int u = 0; u < kMT; ++u) {
+                const uint8_t* const a = stage + a_off + u * 8 * kMTileBytes;
+                const uint8_t* const s = stage + s_off + u * 8 * kScaleTileBytes;
+                const uint4 wv0 = live ? lds128(a) : zero;
+                const uint4 wv1 = live ? lds128(a + (kGated ? 512 : 128)) : zero;
+                sv[u] = !live ? 0u : kScaleBytes == 4 ? lds32(s) : lds16(s);
+                w0[u][0] = wv0.x; w0[u][1] = wv0.y; w0[u][2] = wv0.z; w0[u][3] = wv0.w;
+                w1[u][0] = wv1.x; w1[u][1] = wv1.y; w1[u][2] = wv1.z; w1[u][3] = wv1.w;
+            }
             const uint32_t b = smem_u32(stage);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-                // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
-                const int b0 = kScaleBytes == 4 ? q / 2 : 0;
-                const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
-                const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
-                uint32_t h0[4], h1[4];
-                Dec::run(w0[q], h0);
-                Dec::run(w1[q], h1);
 #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    h0[u] = mul2(h0[u], s0, T());
-                    h1[u] = mul2(h1[u], s1, T());
+                for (int u = 0; u < kMT; ++u) {
+                    // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+                    const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+                    const uint32_t s0 = table[prmt(sv[u], 0u, 0x4440u + b0)];
+                    const uint32_t s1 = table[prmt(sv[u], 0u, 0x4440u + b0 + kScaleBytes / 2)];
+                    uint32_t h0[4], h1[4];
+                    Dec::run(w0[u][q], h0);
+                    Dec::run(w1[u][q], h1);
+#pragma unroll
+                    for (int v = 0; v < 4; ++v) {
+                        h0[v] = mul2(h0[v], s0, T());
+                        h1[v] = mul2(h1[v], s1, T());
+                    }
+                    const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
+                    const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
+                    wgmma_fence();
+                    // Steps 2q, 2q + 1: half q / 2, 32-byte offsets 2 (q % 2) and 2 (q % 2) + 1.
+                    const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
+                    auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc[u]);
+                    wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
+                    wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
+                    // One group per m-tile and step pair: the previous group done, its A
+                    // registers may be rewritten (two groups' fragments live, not 2 kMT).
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                    if (q == 0 && u == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
                 }
-                const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
-                const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
-                wgmma_fence();
-                // Steps 2q, 2q + 1: half q / 2, 32-byte offsets 2 (q % 2) and 2 (q % 2) + 1.
-                const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
-                wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
-                wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
-                wgmma_commit();
-                wgmma_wait<1>();  // group q - 1 done: its A registers may be rewritten
-                if (q == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
             }
             reading = slot;
         }
         wgmma_wait<0>();
-        pin(d);
+#pragma unroll
+        for (int u = 0; u < kMT; ++u) pin(*reinterpret_cast<float(*)[kW / 2]>(acc[u]));
         if (reading >= 0) mbar_arrive(empty + 8 * reading);
     }
 
@@ -585,12 +664,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const float* __restrict__ global_scale, const float* __restrict__ bias,
                       const int* __restrict__ expert_offsets, const int* __restrict__ active,
                       T* __restrict__ out, int n_experts, int slots, int n, int k, int chunks,
-                      int top_k, int scale_shift, int permuted_h) {
+                      int top_k, int scale_shift, int permuted_h, int permuted_x) {
     static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
     const Params p{x,      row_source, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, top_k,
-                   scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
+                   scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h, permuted_x};
     gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
 }
 
@@ -604,11 +683,47 @@ __global__ void __launch_bounds__(kThreads, 1)
                const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
                int k, int chunks, int top_k, int scale_shift, float alpha, float beta,
-               float limit, int permuted_h) {
+               float limit, int permuted_h, int permuted_x) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source, gate,    up,        scales,         gate_global,
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
-                   scale_shift, {alpha, beta, limit}, permuted_h};
+                   scale_shift, {alpha, beta, limit}, permuted_h, permuted_x};
     gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
+}
+
+// x into the split k order of the wgmma B layout (split_position) for an FC1 with permuted_x:
+// the producer then copies FC1's activation tiles as it copies FC2's, by cp.async without a
+// regrouping. Thread u of a row: for u < 4 * (k / 128), stage u / 4, quarter q = u % 4 (the
+// producer's four 16-byte pieces 32t + 8q, t = 0..3, stored regrouped as four contiguous 16-byte
+// chunks at 64 (q / 2) + 32 (q % 2)); the columns of the last partial stage copied as they are.
+// Needs k % 8 == 0 (16-byte rows); the wgmma kernel's own requirement. Reads only x: it waits for
+// the kernel before it (it may overwrite a buffer that kernel reads) and lets the next one start.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    permute_split(const T* __restrict__ x, T* __restrict__ out, int rows, int k) {
+    cm::wait_upstream();
+    const int whole = k / kStageCodes, units = 4 * whole + (k - whole * kStageCodes);
+    const long long total = (long long)rows * units;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(i / units), u = (int)(i - (long long)r * units);
+        const T* const src = x + (size_t)r * k;
+        T* const dst = out + (size_t)r * k;
+        if (u < 4 * whole) {
+            const int s = u / 4, q = u % 4;
+            uint4 v[4];
+#pragma unroll
+            for (int t = 0; t < 4; ++t)
+                v[t] = *reinterpret_cast<const uint4*>(src + s * kStageCodes + 32 * t + 8 * q);
+            uint4* const d = reinterpret_cast<uint4*>(dst + s * kStageCodes + 64 * (q / 2) + 32 * (q % 2));
+            d[0] = make_uint4(v[0].x, v[1].x, v[2].x, v[3].x);
+            d[1] = make_uint4(v[0].y, v[1].y, v[2].y, v[3].y);
+            d[2] = make_uint4(v[0].z, v[1].z, v[2].z, v[3].z);
+            d[3] = make_uint4(v[0].w, v[1].w, v[2].w, v[3].w);
+        } else {
+            const int c = whole * kStageCodes + (u - 4 * whole);
+            dst[c] = src[c];
+        }
+    }
 }

@@ -48,6 +48,8 @@ __all__ = [
     "fc1",
     "fc2",
     "permutes_h",
+    "permutes_x",
+    "takes_wgmma",
 ]
 
 
@@ -136,14 +138,25 @@ def _resolve(
 
 
 def _check_permuted(
-    permuted_h: bool, chosen: Backend, gemm_cfg: GemmConfig | WgmmaConfig | None
+    chosen: Backend, gemm_cfg: GemmConfig | WgmmaConfig | None, **flags: bool
 ) -> None:
-    if permuted_h and not (chosen is Backend.GEMM and isinstance(gemm_cfg, WgmmaConfig)):
-        kind = "the mma.sync GEMM" if chosen is Backend.GEMM else f"the {chosen.value} backend"
-        raise ValueError(
-            f"permuted_h: only the wgmma GEMM reads or writes h in the split k order; this call "
-            f"runs {kind}"
-        )
+    for name, value in flags.items():
+        if value and not (chosen is Backend.GEMM and isinstance(gemm_cfg, WgmmaConfig)):
+            kind = "the mma.sync GEMM" if chosen is Backend.GEMM else f"the {chosen.value} backend"
+            raise ValueError(
+                f"{name}: only the wgmma GEMM reads or writes activations in the split k order; "
+                f"this call runs {kind}"
+            )
+
+
+def takes_wgmma(weights: PreparedFc1 | PreparedFc2, rows: int, dtype: Any) -> bool:
+    """Whether an expert stage with ``weights`` at ``rows`` expanded rows runs the wgmma GEMM by
+    the automatic choice."""
+    shift = scale_shift(weights, dtype)
+    if shift is None:
+        return False
+    chosen, tiling = choose(weights, rows, dtype, shift)
+    return chosen is Backend.GEMM and isinstance(tiling, WgmmaConfig)
 
 
 def permutes_h(
@@ -152,14 +165,15 @@ def permutes_h(
     """Whether a layer's FC1 and FC2 at ``rows`` expanded rows both take the wgmma GEMM by the
     automatic choice, so that FC1 writes h for FC2 with ``permuted_h`` (FC2's activation tiles
     then go straight from global to shared memory, docs/kernels.md)."""
-    for weights in (fc1_weights, fc2_weights):
-        shift = scale_shift(weights, dtype)
-        if shift is None:
-            return False
-        chosen, tiling = choose(weights, rows, dtype, shift)
-        if chosen is not Backend.GEMM or not isinstance(tiling, WgmmaConfig):
-            return False
-    return True
+    return all(takes_wgmma(w, rows, dtype) for w in (fc1_weights, fc2_weights))
+
+
+def permutes_x(fc1_weights: PreparedFc1 | PreparedFc2, rows: int, dtype: Any) -> bool:
+    """Whether a layer's FC1 at ``rows`` expanded rows takes the wgmma GEMM by the automatic
+    choice with at least one whole 128-column stage of x, so that x goes through
+    :func:`.gemm.permute_split` first and FC1 reads it with ``permuted_x``."""
+    k = (fc1_weights.down if isinstance(fc1_weights, PreparedFc2) else fc1_weights.gate).k
+    return k >= 128 and takes_wgmma(fc1_weights, rows, dtype)
 
 
 def fc1(
@@ -173,6 +187,7 @@ def fc1(
     backend: Backend | None = None,
     pdl: bool = False,
     permuted_h: bool = False,
+    permuted_x: bool = False,
 ) -> Any:
     """FC1 with the gated activation: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``, or a
     non-gated one: ``h[r] = act(x[t] W[e]^T + b)``.
@@ -206,6 +221,11 @@ def fc1(
         (:func:`.layouts.split_positions`), for an :func:`fc2` with ``permuted_h`` that then
         reads them without staging (``MoELayer`` passes it where :func:`permutes_h`). Only the
         wgmma GEMM does: ``ValueError`` where the call resolves to another backend.
+    permuted_x : bool
+        ``x`` holds its whole 128-column stages in the split k order, as
+        :func:`.gemm.permute_split` writes it (``MoELayer`` does where :func:`permutes_x`):
+        the wgmma GEMM then copies its activation tiles without regrouping them. Wgmma only,
+        as ``permuted_h``.
 
     Returns
     -------
@@ -239,7 +259,7 @@ def fc1(
     shift = scale_shift(weights, dtype)
     rows = n_tokens * top_k
     chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
-    _check_permuted(permuted_h, chosen, gemm_cfg)
+    _check_permuted(chosen, gemm_cfg, permuted_h=permuted_h, permuted_x=permuted_x)
     if chosen is Backend.BATCHED and isinstance(weights, PreparedFc2):
         return fc1_batched(
             x, weights.device_fp4(), None, routing, act=act, gate_bias=weights.bias, out=out
@@ -271,6 +291,7 @@ def fc1(
                 config=gemm_cfg,
                 pdl=pdl,
                 permuted_h=permuted_h,
+                permuted_x=permuted_x,
             )
         return gemv_fc1_single(
             x,
@@ -295,6 +316,7 @@ def fc1(
             config=gemm_cfg,
             pdl=pdl,
             permuted_h=permuted_h,
+            permuted_x=permuted_x,
         )
     return gemv_fc1(
         x, weights, routing, act=act, top_k=top_k, shift=shift, out=out, config=gemv_cfg, pdl=pdl
@@ -330,7 +352,7 @@ def fc2(
     dtype = check_activations(h, "h", w.k, rows, aligned=True)
     shift = scale_shift(weights, dtype)
     chosen, gemv_cfg, gemm_cfg = _resolve(weights, rows, dtype, shift, backend, config)
-    _check_permuted(permuted_h, chosen, gemm_cfg)
+    _check_permuted(chosen, gemm_cfg, permuted_h=permuted_h)
     if chosen is Backend.BATCHED:
         return fc2_batched(h, weights.device_fp4(), routing, bias=weights.bias, out=out)
     assert shift is not None  # the tensor-core backends fold the scales

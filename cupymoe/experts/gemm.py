@@ -50,6 +50,7 @@ __all__ = [
     "gemm_fc1_single",
     "gemm_fc2",
     "kernel_specs",
+    "permute_split",
     "row_tiles",
     "schedule_ref",
 ]
@@ -205,13 +206,14 @@ class WgmmaConfig:
 
     #: Threads per block: a producer warp group and two consumer warp groups.
     threads = 384
-    #: m-tiles (16 weight rows) per block tile: one per consumer warp.
-    m_tiles = 8
+    #: m-tiles (16 weight rows) per block tile: two per consumer warp.
+    m_tiles = 16
 
     def stage_bytes(self, fmt_code: int) -> int:
-        """Activations, weights, and the scales padded to 1 KB (Gemm90 in cuda/gemm_sm90.cu)."""
-        del fmt_code  # the scales of both formats fit the padded kilobyte
-        return self.bn * _XROW_BYTES + self.m_tiles * _MTILE_BYTES + 1024
+        """Activations, weights, and the scales padded to whole kilobytes (Gemm90 in
+        cuda/gemm_sm90.cu)."""
+        scales = _ceil_div(self.m_tiles * _SCALE_TILE_BYTES[fmt_code], 1024) * 1024
+        return self.bn * _XROW_BYTES + self.m_tiles * _MTILE_BYTES + scales
 
     def shared_bytes(self, fmt_code: int, slots: int) -> int:
         """Dynamic shared memory of a launch: 1 KB of slack to align the stages to 1024 bytes
@@ -342,17 +344,48 @@ def _check_runs_here(cfg: GemmConfig | WgmmaConfig) -> None:
         )
 
 
-def _check_permuted(cfg: GemmConfig | WgmmaConfig, permuted_h: bool) -> None:
-    if permuted_h and not isinstance(cfg, WgmmaConfig):
-        raise ValueError(
-            f"permuted_h: only the wgmma kernel reads or writes h in the split k order; this "
-            f"call runs the mma.sync tiling {cfg}"
-        )
+def _check_permuted(
+    cfg: GemmConfig | WgmmaConfig, permuted_h: bool, permuted_x: bool = False
+) -> None:
+    for name, value in (("permuted_h", permuted_h), ("permuted_x", permuted_x)):
+        if value and not isinstance(cfg, WgmmaConfig):
+            raise ValueError(
+                f"{name}: only the wgmma kernel reads or writes activations in the split k "
+                f"order; this call runs the mma.sync tiling {cfg}"
+            )
 
 
-def _permuted_arg(cfg: GemmConfig | WgmmaConfig, permuted_h: bool) -> tuple[np.int32, ...]:
-    """The wgmma kernels' last argument (Params::permuted_h); the mma.sync kernels have none."""
-    return (np.int32(permuted_h),) if isinstance(cfg, WgmmaConfig) else ()
+def _permuted_args(
+    cfg: GemmConfig | WgmmaConfig, permuted_h: bool, permuted_x: bool | None = None
+) -> tuple[np.int32, ...]:
+    """The wgmma kernels' last arguments (Params::permuted_h, and FC1's permuted_x); the
+    mma.sync kernels have none."""
+    if not isinstance(cfg, WgmmaConfig):
+        return ()
+    if permuted_x is None:
+        return (np.int32(permuted_h),)
+    return (np.int32(permuted_h), np.int32(permuted_x))
+
+
+def permute_split(x: Any, out: Any = None, *, pdl: bool = False) -> Any:
+    """``x [rows, k]`` with each whole 128-column stage in the split k order
+    (:func:`.layouts.split_positions`; the columns of a last partial stage in place), for a wgmma
+    FC1 with ``permuted_x``, whose producer then copies the activation tiles without regrouping
+    them. ``k`` must be a multiple of 8. Capturable (no allocation with ``out``)."""
+    rows, k = (int(s) for s in x.shape)
+    if k % 8:
+        raise ValueError(f"x: permute_split needs k a multiple of 8, got {k}")
+    dtype = np.dtype(x.dtype)
+    out = device_output(out, (rows, k), dtype)
+    if rows == 0 or k == 0:
+        return out
+    whole = k // 128
+    units = rows * (4 * whole + (k - 128 * whole))
+    threads = 256
+    grid = min(_ceil_div(units, threads), 8 * sm_count())
+    spec = KernelSpec("gemm_sm90", "permute_split", (CTYPE[dtype],), target="sm_90a")
+    launch(spec, grid, threads, (x, out, np.int32(rows), np.int32(k)), pdl=pdl)
+    return out
 
 
 def gemm_fc1(
@@ -367,6 +400,7 @@ def gemm_fc1(
     config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
     permuted_h: bool = False,
+    permuted_x: bool = False,
 ) -> Any:
     """FC1 as a grouped GEMM: ``h[r] = act(x[t] Wg[e]^T + bg, x[t] Wu[e]^T + bu)``.
 
@@ -375,7 +409,8 @@ def gemm_fc1(
     ``h [rows, intermediate]`` in expanded order, dtype of ``x``. Capturable; bitwise
     deterministic for a given config. ``permuted_h`` (wgmma only): h's whole 128-column stages
     in the split k order, which the wgmma FC2 reads without staging
-    (:func:`.layouts.split_positions`).
+    (:func:`.layouts.split_positions`). ``permuted_x`` (wgmma only): ``x`` as
+    :func:`permute_split` writes it, copied into the B tiles as it is.
     """
     g = weights.gate
     if weights.layout is not WeightLayout.SPLIT:
@@ -387,7 +422,7 @@ def gemm_fc1(
         return out
     cfg = default_config(rows, g.n_experts, g.format.code) if config is None else config
     _check_runs_here(cfg)
-    _check_permuted(cfg, permuted_h)
+    _check_permuted(cfg, permuted_h, permuted_x)
     head = (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None)
     spec = _spec(cfg, "fc1", head)
     col_blocks = _ceil_div(_ceil_div(g.n, 8), cfg.m_tiles)  # m-tiles of 8 columns
@@ -408,7 +443,7 @@ def gemm_fc1(
             np.float32(act.alpha),
             np.float32(act.beta),
             np.float32(act.limit),
-            *_permuted_arg(cfg, permuted_h),
+            *_permuted_args(cfg, permuted_h, permuted_x),
         ),
         shared_mem=smem,
         pdl=pdl,
@@ -433,7 +468,9 @@ def gemm_fc2(
     launch (``pdl``) scans the routing maps before it waits for the previous kernel (FC1).
     ``permuted_h`` (wgmma only): ``h`` as :func:`gemm_fc1` writes it with ``permuted_h``."""
     rows = int(h.shape[0])
-    return _gemm_single(h, weights, routing, rows, None, 1, shift, out, config, pdl, permuted_h)
+    return _gemm_single(
+        h, weights, routing, rows, None, 1, shift, out, config, pdl, permuted_h, False
+    )
 
 
 def gemm_fc1_single(
@@ -448,13 +485,16 @@ def gemm_fc1_single(
     config: GemmConfig | WgmmaConfig | None = None,
     pdl: bool = False,
     permuted_h: bool = False,
+    permuted_x: bool = False,
 ) -> Any:
     """FC1 with a non-gated activation as a grouped GEMM: ``h[r] = act(x[t] W[e]^T + b[e])``
     (``weights`` the one ``[E, I, H]`` matrix, prepared like FC2; ``x`` in token order, read
     through ``routing.sorted_rows``). Returns ``h [rows, intermediate]``, dtype of ``x``;
-    ``permuted_h`` as in :func:`gemm_fc1`."""
+    ``permuted_h`` and ``permuted_x`` as in :func:`gemm_fc1`."""
     rows = int(x.shape[0]) * top_k
-    return _gemm_single(x, weights, routing, rows, act, top_k, shift, out, config, pdl, permuted_h)
+    return _gemm_single(
+        x, weights, routing, rows, act, top_k, shift, out, config, pdl, permuted_h, permuted_x
+    )
 
 
 def _gemm_single(
@@ -469,6 +509,7 @@ def _gemm_single(
     config: GemmConfig | WgmmaConfig | None,
     pdl: bool,
     permuted_h: bool,
+    permuted_x: bool,
 ) -> Any:
     """One matrix per expert: FC2 (``act`` None, ``x`` in expanded order) or non-gated FC1."""
     w = weights.down
@@ -480,7 +521,7 @@ def _gemm_single(
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
     _check_runs_here(cfg)
-    _check_permuted(cfg, permuted_h)
+    _check_permuted(cfg, permuted_h, permuted_x)
     head = (w.format.code, CTYPE[dtype])
     bias = weights.bias is not None
     arrays = fc2_arrays(x, weights, routing, out)
@@ -505,7 +546,7 @@ def _gemm_single(
             np.int32(chunk_count(w.k)),
             *tail,
             np.int32(shift),
-            *_permuted_arg(cfg, permuted_h),
+            *_permuted_args(cfg, permuted_h, None if act is None else permuted_x),
         ),
         shared_mem=smem,
         pdl=pdl,
@@ -516,7 +557,8 @@ def _gemm_single(
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`gemm_fc1` / :func:`gemm_fc1_single` / :func:`gemm_fc2` can
     select: 2 formats x 2 dtypes x 2 (bias) x (FC2 + 3 gated and 4 non-gated FC1 activations) x
-    (len(GEMM_TILINGS) mma.sync tilings + len(WGMMA_TILINGS) wgmma tilings for sm_90a)."""
+    (len(GEMM_TILINGS) mma.sync tilings + len(WGMMA_TILINGS) wgmma tilings for sm_90a), and
+    :func:`permute_split` for each dtype (sm_90a)."""
     specs = []
     for fmt in Fp4Format:
         for dtype in ACTIVATION_DTYPES:
@@ -530,4 +572,8 @@ def kernel_specs() -> list[KernelSpec]:
                         _spec(cfg, "fc1" if act.gated else "fc1_single", (*head, act.code, bias))
                         for act in Activation
                     ]
+    specs += [
+        KernelSpec("gemm_sm90", "permute_split", (CTYPE[np.dtype(d)],), target="sm_90a")
+        for d in ACTIVATION_DTYPES
+    ]
     return specs

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import require_cupy
-from ..experts.dispatch import capturable, fc1, fc2, permutes_h
+from ..experts.dispatch import capturable, fc1, fc2, permutes_h, permutes_x
+from ..experts.gemm import permute_split
 from ..experts.gemv import PreparedFc1, PreparedFc2, prepare_fc1, prepare_fc2, scale_shift
 from ..routing import Routing, route
 from .finalize import finalize
@@ -110,6 +111,23 @@ class DeviceLayer:
         # Where both expert stages run the wgmma kernel, h passes between them in the split k
         # order: FC2's producer then copies its tiles without staging them in registers.
         permuted = permutes_h(self.fc1_weights, self.fc2_weights, rows, x.dtype)
+        # A wgmma FC1 reads x regrouped into the split k order likewise, from a copy in y's
+        # buffer (free until FC2 writes it): FC1's producer then regroups nothing either.
+        x_split = ws.y[:m] if permutes_x(self.fc1_weights, rows, x.dtype) else None
+
+        def run_fc1() -> Any:
+            source = x if x_split is None else permute_split(x, out=x_split, pdl=True)
+            return fc1(
+                source,
+                self.fc1_weights,
+                routing,
+                act=layer.activation,
+                out=h,
+                pdl=True,
+                permuted_h=permuted,
+                permuted_x=x_split is not None,
+            )
+
         return [
             (
                 "route",
@@ -117,18 +135,7 @@ class DeviceLayer:
                     logits, layer.router, router_weights=router_weights, out=routing, pdl=True
                 ),
             ),
-            (
-                "fc1",
-                lambda: fc1(
-                    x,
-                    self.fc1_weights,
-                    routing,
-                    act=layer.activation,
-                    out=h,
-                    pdl=True,
-                    permuted_h=permuted,
-                ),
-            ),
+            ("fc1", run_fc1),
             (
                 "fc2",
                 lambda: fc2(h, self.fc2_weights, routing, out=y, pdl=True, permuted_h=permuted),
