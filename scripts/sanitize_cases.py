@@ -131,6 +131,28 @@ def layer_case(name: str, m: int, dtype, pair: bool, experts: int, act: str = ""
     assert_close(cm.moe_reference(x, logits, layer), out, max_rel=3e-2, rms_rel=1.6e-2)
 
 
+def wgmma_layer_case(fmt: str, act: str, m: int) -> None:
+    """A layer whose FC1 and FC2 both take the wgmma kernel (128 rows per expert at M = 512):
+    x regrouped by permute_split, h passed in the split order, H = I = 320 (two whole stages
+    and a partial one on both sides)."""
+    from cupymoe.experts.dispatch import permutes_h, permutes_x
+
+    rng = np.random.default_rng(m)
+    e, h, i, k = 8, 320, 320, 2
+    gate = random_fp4_experts(rng, e, i, h, fmt)
+    fc1 = (gate, random_fp4_experts(rng, e, i, h, fmt)) if act != "relu" else gate
+    layer = cm.MoELayer(
+        fc1, random_fp4_experts(rng, e, h, i, fmt), top_k=k, max_tokens=m, activation=act
+    )
+    dl = layer.device_layer()
+    assert permutes_h(dl.fc1_weights, dl.fc2_weights, m * k, BF16)
+    assert permutes_x(dl.fc1_weights, m * k, BF16)
+    x = rng.standard_normal((m, h)).astype(BF16)
+    logits = rng.standard_normal((m, e)).astype(np.float32)
+    out = layer(cupy.asarray(x), cupy.asarray(logits), replay=False)
+    assert_close(cm.moe_reference(x, logits, layer), out, max_rel=3e-2, rms_rel=1.6e-2)
+
+
 def main() -> int:
     # Routing: fused decode launch (one block, and clusters of 2 and 8 blocks on sm_90+), warp
     # path, block path at the largest E and top_k, large-M maps.
@@ -222,6 +244,8 @@ def main() -> int:
             "gemm wgmma mxfp4 fp16",
             lambda: gemm_case("mxfp4", np.float16, ("wgmma", *WGMMA_TILINGS[0]), 48, 96, 90),
         )
+        check("layer wgmma nvfp4 swiglu M=512", lambda: wgmma_layer_case("nvfp4", "swiglu", 512))
+        check("layer wgmma mxfp4 relu M=512", lambda: wgmma_layer_case("mxfp4", "relu", 512))
     check("layer qwen M=40 bf16 (gemm)", lambda: layer_case("qwen3.6-35b-a3b", 40, BF16, True, 16))
     cupy.cuda.Device().synchronize()
     print(f"{len(failures)} failed checks" + (f": {failures}" if failures else ""))
