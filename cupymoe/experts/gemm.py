@@ -167,18 +167,18 @@ TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], 
 ENV_WGMMA = "CUPYMOE_WGMMA"
 
 #: (bn, stages) of the sm_90a wgmma kernel: 384 threads (a producer and two consumer warp groups),
-#: 128 weight rows x 128 expanded rows per block tile, one block per SM. A tile with fewer rows
+#: 256 weight rows x 128 expanded rows per block tile, one block per SM. A tile with fewer rows
 #: runs its wgmma at N = 32 or 64 (the kernel picks per item); bn 32 and 64 tilings (6 stages)
 #: were slower at every shape measured (below) and are not compiled.
 WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((128, 4),)
 
-#: Average rows per active expert above which sm_90 runs the wgmma kernel (bn 128) instead of
-#: the mma.sync table. Measured on the H200 (FC1 + FC2 graph replays over HBM-resident weights,
-#: µs, mma.sync default / wgmma bn 32 / 64 / 128): Qwen3.6 M = 1,024 (32 rows per expert) 390 /
-#: 492 / 514 / 544; M = 4,096 (128) 1,213 / 1,446 / 1,297 / 1,048; gpt-oss M = 256 (32) 351 / 500
-#: / 490 / 512; M = 1,024 (128) 1,083 / 1,478 / 1,212 / 1,002; M = 4,096 (512) 3,430 / 5,217 /
-#: 4,050 / 2,991.
-WGMMA_MIN_ROWS_PER_EXPERT = 64
+#: Average rows per active expert above which sm_90 runs the wgmma kernel instead of the
+#: mma.sync table: where all four measured ops (Qwen3.6 and gpt-oss FC1 and FC2,
+#: :data:`.handover.HAND_OVERS`) hand over. Measured on the H200 with 256 weight rows per tile
+#: (``cupymoe tune --kernel gemm``, µs per call, best mma.sync | wgmma): at 32 rows per expert
+#: mma.sync wins by 4-36 % (gpt-oss FC1 220.7 | 300.0, FC2 123.8 | 130.6), at 64 wgmma by
+#: 10-29 % (gpt-oss FC1 371.0 | 335.6, FC2 202.4 | 157.4; Qwen3.6 FC1 395.0 | 327.5).
+WGMMA_MIN_ROWS_PER_EXPERT = 32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,24 +110,25 @@ DEFAULT_HAND_OVER = HandOver(GEMV_MAX_ROWS_PER_EXPERT, WGMMA_MIN_ROWS_PER_EXPERT
 #: largest bucket where the GEMV wins, ``wgmma_min`` the largest where mma.sync beats wgmma by
 #: more than 2 % (closer results flip between runs).
 #: Measured with ``cupymoe tune --kernel gemm --rows-per-expert 2,4,...,256 --repeats 5``
-#: (scripts/tune_gemm_check.sh, session 14); µs per call at 2 / 4 / 8 / 16 / 32 / 64 / 128 / 256
-#: rows per expert, GEMV | best mma.sync | wgmma, the winner's side of each threshold in the
-#: comment. DeepSeek-V3 is not measured per op: the defaults, whose FC1 + FC2 sums are quoted at
-#: :data:`GEMV_MAX_ROWS_PER_EXPERT` and :data:`.gemm.WGMMA_MIN_ROWS_PER_EXPERT`.
+#: (scripts/tune_gemm_check.sh): ``gemv_max`` in session 14 (µs per call at 8 / 16 rows per
+#: expert, GEMV | best mma.sync), ``wgmma_min`` in session 17 with the wgmma kernel of 256 weight
+#: rows per tile (µs at 16 / 32 / 64 / 128 / 256 rows per expert, best mma.sync | wgmma;
+#: benchmarks/h200_handover_s17.json). The winner's side of each threshold is in the comment.
+#: DeepSeek-V3 is not measured per op: the defaults.
 HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     # Qwen3.6-35B-A3B (H 2048, I 512, E 256, top-8), NVFP4.
-    # fc1: 8 rows GEMV 122.0 | mma 127.5; 16: 201.2 | 158.8. 64: mma 394.3 | wgmma 406.4;
-    # 128: 697.2 | 647.1; 256: 1,302.6 | 1,112.9.
-    (("fc1", 512, 2048, 256), HandOver(8, 64)),
-    # fc2: 8 rows GEMV 69.9 | mma 78.0; 16: 112.4 | 99.9. 32: mma 146.4 | wgmma 182.5;
-    # 64: 240.0 | 222.0; 128: 436.6 | 390.2.
+    # fc1: 8 rows GEMV 122.0 | mma 127.5; 16: 201.2 | 158.8. 32: mma 230.9 | wgmma 287.4;
+    # 64: 395.0 | 327.5; 128: 692.9 | 536.9; 256: 1,378.7 | 918.4.
+    (("fc1", 512, 2048, 256), HandOver(8, 32)),
+    # fc2: 8 rows GEMV 69.9 | mma 78.0; 16: 112.4 | 99.9. 32: mma 144.6 | wgmma 150.1;
+    # 64: 240.2 | 186.9; 128: 429.6 | 296.9.
     (("fc2", 2048, 512, 256), HandOver(8, 32)),
     # gpt-oss-20b (H 2880, I 2880, E 32, top-4), MXFP4.
-    # fc1: 8 rows GEMV 125.5 | mma 128.3; 16: 204.2 | 163.9. 128: mma 650.8 | wgmma 676.8;
-    # 256: 1,296.4 | 1,189.8.
-    (("fc1", 2880, 2880, 32), HandOver(8, 128)),
-    # fc2: 8 rows GEMV 65.7 | mma 73.7; 16: 102.2 | 83.4. 32: mma 124.9 | wgmma 157.6;
-    # 64: 203.8 | 187.5; 128: 333.8 | 338.2 (within 1.3 %); 256: 650.6 | 615.4.
+    # fc1: 8 rows GEMV 125.5 | mma 128.3; 16: 204.2 | 163.9. 32: mma 220.7 | wgmma 300.0;
+    # 64: 371.0 | 335.6; 128: 632.9 | 506.1; 256: 1,266.7 | 900.0.
+    (("fc1", 2880, 2880, 32), HandOver(8, 32)),
+    # fc2: 8 rows GEMV 65.7 | mma 73.7; 16: 102.2 | 83.4. 32: mma 123.8 | wgmma 130.6;
+    # 64: 202.4 | 157.4; 128: 337.8 | 271.7; 256: 621.8 | 451.4.
     (("fc2", 2880, 2880, 32), HandOver(8, 32)),
     # DeepSeek-V3 routed experts (H 7168, I 2048, E 256, top-8), NVFP4: the defaults.
     (("fc1", 2048, 7168, 256), DEFAULT_HAND_OVER),
