@@ -504,6 +504,10 @@ def test_permuted_h_needs_the_wgmma_kernel(rng: np.random.Generator) -> None:
     assert gemm._permuted_args(wg, False, True) == (np.int32(0), np.int32(1))
     with pytest.raises(ValueError, match="multiple of 8"):
         gemm.permute_split(np.zeros((2, 12), np.float16))
+    with pytest.raises(TypeError, match="expected a cupy.ndarray"):
+        gemm.permute_split(np.zeros((2, 16), np.float16))
+    with pytest.raises(TypeError, match="2-D"):
+        gemm.permute_split([[0.0] * 16])
 
 
 def test_permutes_h_asks_both_stages(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,7 +29,7 @@ from .._runtime.backend import require_cupy
 from .._runtime.compile import CTYPE, KernelSpec, get_kernel
 from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
-from .._runtime.validate import ACTIVATION_DTYPES, device_output
+from .._runtime.validate import ACTIVATION_DTYPES, check_activations, device_output
 from ..formats import Fp4Format
 from ..routing import Routing
 from .activation import Activation, ActivationSpec
@@ -372,11 +372,16 @@ def permute_split(x: Any, out: Any = None, *, pdl: bool = False) -> Any:
     (:func:`.layouts.split_positions`; the columns of a last partial stage in place), for a wgmma
     FC1 with ``permuted_x``, whose producer then copies the activation tiles without regrouping
     them. ``k`` must be a multiple of 8. Capturable (no allocation with ``out``)."""
-    rows, k = (int(s) for s in x.shape)
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise TypeError(f"x: expected a 2-D cupy.ndarray, got {type(x).__name__}")
+    rows, k = (int(s) for s in shape)
     if k % 8:
         raise ValueError(f"x: permute_split needs k a multiple of 8, got {k}")
-    dtype = np.dtype(x.dtype)
+    dtype = check_activations(x, "x", k, aligned=True)
     out = device_output(out, (rows, k), dtype)
+    if out.data.ptr % 16:
+        raise ValueError("out: expected a 16-byte aligned array")
     if rows == 0 or k == 0:
         return out
     whole = k // 128
