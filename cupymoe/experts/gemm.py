@@ -382,6 +382,14 @@ def permute_split(x: Any, out: Any = None, *, pdl: bool = False) -> Any:
     out = device_output(out, (rows, k), dtype)
     if out.data.ptr % 16:
         raise ValueError("out: expected a 16-byte aligned array")
+    nbytes = rows * k * dtype.itemsize
+    if out.data.ptr < x.data.ptr + nbytes and x.data.ptr < out.data.ptr + nbytes:
+        raise ValueError("out: must not overlap x (the regrouping reads columns others write)")
+    if not wgmma_enabled():
+        raise ValueError(
+            "permute_split serves the wgmma kernel: it needs a compute capability 9.0 device "
+            f"(and CUPYMOE_WGMMA not 0); this device has {compute_capability()}"
+        )
     if rows == 0 or k == 0:
         return out
     whole = k // 128
