@@ -367,6 +367,11 @@ def _permuted_args(
     return (np.int32(permuted_h), np.int32(permuted_x))
 
 
+def _permute_spec(dtype: Any) -> KernelSpec:
+    """The specialisation :func:`permute_split` launches for ``dtype`` (sm_90a)."""
+    return KernelSpec("gemm_sm90", "permute_split", (CTYPE[np.dtype(dtype)],), target="sm_90a")
+
+
 def permute_split(x: Any, out: Any = None, *, pdl: bool = False) -> Any:
     """``x [rows, k]`` with each whole 128-column stage in the split k order
     (:func:`.layouts.split_positions`; the columns of a last partial stage in place), for a wgmma
@@ -396,8 +401,7 @@ def permute_split(x: Any, out: Any = None, *, pdl: bool = False) -> Any:
     units = rows * (4 * whole + (k - 128 * whole))
     threads = 256
     grid = min(_ceil_div(units, threads), 8 * sm_count())
-    spec = KernelSpec("gemm_sm90", "permute_split", (CTYPE[dtype],), target="sm_90a")
-    launch(spec, grid, threads, (x, out, np.int32(rows), np.int32(k)), pdl=pdl)
+    launch(_permute_spec(dtype), grid, threads, (x, out, np.int32(rows), np.int32(k)), pdl=pdl)
     return out
 
 
@@ -585,8 +589,5 @@ def kernel_specs() -> list[KernelSpec]:
                         _spec(cfg, "fc1" if act.gated else "fc1_single", (*head, act.code, bias))
                         for act in Activation
                     ]
-    specs += [
-        KernelSpec("gemm_sm90", "permute_split", (CTYPE[np.dtype(d)],), target="sm_90a")
-        for d in ACTIVATION_DTYPES
-    ]
+    specs += [_permute_spec(d) for d in ACTIVATION_DTYPES]
     return specs
