@@ -287,6 +287,13 @@ struct Gemm90 {
     static constexpr int kHalfBytes = kBN * 128;                  // B: 64 logical k of kBN rows
     static constexpr int kAcc = kBN / 2;                          // accumulators per thread
     static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
+    // The epilogue stages the output through shared memory, kEpiRows rows at a time, in two
+    // buffers of the widest tile (experts/gemm.py _EPI_BYTES); a staged row is the tile's kBC
+    // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
+    static constexpr int kBC = kBMT * kRowsPerTile;               // output columns of a tile
+    static constexpr int kEpiRows = 16;
+    static constexpr int kEpiStride = kBC * 2 + 16;
+    static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
     static_assert(kStageBytes % 1024 == 0 && kBMT % 8 == 0, "stage alignment");
@@ -301,6 +308,7 @@ struct Gemm90 {
     uint8_t* smem;
     const int* tile_start;  // [slots + 1] first row tile of each active slot (shared)
     const uint32_t* table;  // 256 scale-table entries (shared)
+    uint8_t* epi;           // the epilogue's two staging buffers (shared)
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
     int tiles, col_blocks, ksteps, n_items;
 
@@ -361,10 +369,7 @@ struct Gemm90 {
                     // x already holds the stage in the B order: 16-byte pieces straight into
                     // their swizzled slots, no registers, so the producer moves on at once.
                     mbar_wait(empty + 8 * slot, parity);
-                    if (pub < st) {  // a K tail's gathered stage before a whole one
-                        cp_async_wait<0>();
-                        for (; pub < st; ++pub) publish(pub % kStages);
-                    }
+                    if (pub < st) flush(pub, st);  // a K tail's gathered stage before a whole one
                     ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
                     if (warp < kMT) {
@@ -424,6 +429,11 @@ struct Gemm90 {
                 }
             }
         }
+        flush(pub, st);
+    }
+
+    // Publishes the gathered stages [pub, st) once all of this thread's copies have landed.
+    __device__ __forceinline__ void flush(int& pub, int st) const {
         cp_async_wait<0>();
         for (; pub < st; ++pub) publish(pub % kStages);
     }
@@ -465,7 +475,7 @@ struct Gemm90 {
             kAOff + (group * 4 + warp) * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
         const int s_off = kSOff + (group * 4 + warp) * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
         float acc[kMT][kAcc];
-        int st = 0;
+        int st = 0, ep = 0;  // stages consumed; output chunks staged (the buffer parity)
         for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
             const Item it = item(index);
             // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), so an expert's
@@ -480,8 +490,7 @@ struct Gemm90 {
             } else {
                 k_loop<32>(acc, st, a_off, s_off, t);
             }
-#pragma unroll
-            for (int u = 0; u < kMT; ++u) epilogue(it, 8 * u + group * 4 + warp, acc[u]);
+            store_tile(it, group * 4 + warp, acc, ep);
         }
     }
 
@@ -551,48 +560,89 @@ struct Gemm90 {
         if (reading >= 0) mbar_arrive(empty + 8 * reading);
     }
 
-    // Scale, bias, activation, store. Accumulator j of n8 block jb: (row g, tokens 8jb + 2t + u)
-    // for j = 4jb + u, (row g + 8, same) for j = 4jb + 2 + u.
-    __device__ __forceinline__ void epilogue(const Item& it, int mt, const float (&acc)[kAcc]) const {
-        const int lane = threadIdx.x % 32;
-        const int g = lane / 4, t = lane % 4;
+    // Scale, bias, activation, store; accumulator j of n8 block jb of an m-tile is (row g, tokens
+    // 8jb + 2t + u) for j = 4jb + u, (row g + 8, same) for j = 4jb + 2 + u. The output goes
+    // through shared memory kEpiRows rows at a time: the lanes store their 2-byte values into a
+    // staging buffer at the columns' positions, then the 256 consumer threads copy whole rows
+    // out in 16-byte pieces. Stored from the fragments straight to global memory, a warp store
+    // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: both
+    // groups finish an item together) took 40 % of Qwen3.6's FC2. Two buffers: chunk c + 1 is
+    // staged while other warps still copy chunk c out, one barrier per chunk.
+    __device__ __forceinline__ void store_tile(const Item& it, int w, const float (&acc)[kMT][kAcc],
+                                               int& ep) const {
+        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
         const int post = -(Dec::kExp + kTableShift + p.scale_shift);
         const float f0 = ldexpf(p.global0[it.e], post);
         const float f1 = kGated ? ldexpf(p.global1[it.e], post) : 0.0f;
-        T* out = static_cast<T*>(p.out);
-        const int tile = it.cblock * kBMT + mt;
+        const int col0 = it.cblock * kBC;
         const int whole = kAct != 0 && p.permuted_h ? p.n / kStageCodes * kStageCodes : 0;
-        if constexpr (kGated) {
-            const int col = tile * 8 + g;
-            if (col >= p.n) return;
-            const int pos = split_position(col, whole);
-            const float bg = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
-            const float bu = kBias ? p.bias1[(size_t)it.e * p.n + col] : 0.0f;
+        constexpr int kCols = kGated ? 1 : 2;  // a lane's columns per m-tile: g (gated), g, g + 8
+        int pos[kMT][kCols];                   // their byte offsets in a staged row
+        float b0[kMT][kCols], b1[kMT];
 #pragma unroll
-            for (int jb = 0; jb < kBN / 8; ++jb)
+        for (int u = 0; u < kMT; ++u) {
+            const int tile = it.cblock * kBMT + 8 * u + w;
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
-                    const int n = 8 * jb + 2 * t + u;
-                    if (n < it.rows)
-                        out[(size_t)(it.row0 + n) * p.n + pos] = cm::from_float<T>(activate<kAct>(
-                            acc[4 * jb + u] * f0 + bg, acc[4 * jb + 2 + u] * f1 + bu, p.act));
-                }
-        } else {
+            for (int h = 0; h < kCols; ++h) {
+                const int col = kGated ? tile * 8 + g : tile * 16 + g + 8 * h;
+                const bool in = col < p.n;  // columns past n are staged and never copied out
+                // split_position keeps a column within its 128-column stage: in the tile's row.
+                pos[u][h] = 2 * (split_position(col, whole) - col0);
+                b0[u][h] = kBias && in ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
+                if (h == 0) b1[u] = kGated && kBias && in ? p.bias1[(size_t)it.e * p.n + col] : 0.0f;
+            }
+        }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int col = tile * 16 + g + 8 * h;
-                if (col >= p.n) continue;
-                const int pos = split_position(col, whole);
-                const float bias = kBias ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
+        for (int c = 0; c < kBN / kEpiRows; ++c) {
+            if (kEpiRows * c >= it.rows) break;  // uniform: the whole item's
+            uint8_t* const buf = epi + (ep & 1) * (kEpiRows * kEpiStride);
 #pragma unroll
-                for (int jb = 0; jb < kBN / 8; ++jb)
+            for (int u = 0; u < kMT; ++u)
 #pragma unroll
-                    for (int u = 0; u < 2; ++u) {
-                        const int n = 8 * jb + 2 * t + u;
-                        if (n < it.rows)
-                            out[(size_t)(it.row0 + n) * p.n + pos] = cm::from_float<T>(
-                                activate1<kAct>(acc[4 * jb + 2 * h + u] * f0 + bias, p.act));
+                for (int jh = 0; jh < 2; ++jh)
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) {
+                        const int jb = 2 * c + jh;
+                        uint8_t* const row = buf + (8 * jh + 2 * t + v) * kEpiStride;
+                        if constexpr (kGated) {
+                            *reinterpret_cast<T*>(row + pos[u][0]) = cm::from_float<T>(activate<kAct>(
+                                acc[u][4 * jb + v] * f0 + b0[u][0], acc[u][4 * jb + 2 + v] * f1 + b1[u],
+                                p.act));
+                        } else {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h)
+                                *reinterpret_cast<T*>(row + pos[u][h]) = cm::from_float<T>(
+                                    activate1<kAct>(acc[u][4 * jb + 2 * h + v] * f0 + b0[u][h], p.act));
+                        }
                     }
+            // The chunk staged; the other buffer's copy-out (chunk c - 1) done by every thread.
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+            copy_out(it, buf, kEpiRows * c, col0);
+            ++ep;
+        }
+    }
+
+    // Rows r0 .. r0 + kEpiRows - 1 of the item from a staging buffer to out: 16-byte pieces of
+    // whole rows where the rows are 16-byte aligned, else element by element.
+    __device__ __forceinline__ void copy_out(const Item& it, const uint8_t* buf, int r0, int col0) const {
+        const int rows = min(kEpiRows, it.rows - r0), cols = min(kBC, p.n - col0);
+        const int i0 = threadIdx.x - 128;  // consumer thread 0..255
+        T* const dst = static_cast<T*>(p.out) + (size_t)(it.row0 + r0) * p.n + col0;
+        if (p.n % 8 == 0 && (reinterpret_cast<unsigned long long>(p.out) & 15) == 0) {
+            constexpr int kPieces = kBC / 8;  // per row
+            static_assert(kEpiRows * kPieces % 256 == 0, "whole passes of the 256 threads");
+#pragma unroll
+            for (int s = 0; s < kEpiRows * kPieces / 256; ++s) {
+                const int i = i0 + 256 * s, r = i / kPieces, j = i % kPieces;
+                if (r < rows && 8 * j < cols)
+                    *reinterpret_cast<uint4*>(dst + (size_t)r * p.n + 8 * j) =
+                        *reinterpret_cast<const uint4*>(buf + r * kEpiStride + 16 * j);
+            }
+        } else {
+            for (int i = i0; i < kEpiRows * kBC; i += 256) {
+                const int r = i / kBC, j = i % kBC;
+                if (r < rows && j < cols)
+                    dst[(size_t)r * p.n + j] = *reinterpret_cast<const T*>(buf + r * kEpiStride + 2 * j);
             }
         }
     }
@@ -606,7 +656,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
     __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[0..kStages), empty[..]
     // The stages start at the first 1024-byte boundary (the launch adds 1 KB of slack).
     uint8_t* const dyn_smem = dyn_raw + ((1024u - (smem_u32(dyn_raw) & 1023u)) & 1023u);
-    int* tile_start = reinterpret_cast<int*>(dyn_smem + kStages * G::kStageBytes);
+    uint8_t* const epi = dyn_smem + kStages * G::kStageBytes;
+    int* tile_start = reinterpret_cast<int*>(epi + G::kEpiBytes);
 
     for (int i = threadIdx.x; i < 256; i += kThreads) {
         const uint32_t b = scale_bits<kFormat, T>(i, G::kTableShift + p.scale_shift);
@@ -625,7 +676,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
     scan_row_tiles<kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
-    G gemm{p, dyn_smem, tile_start, table, full, empty, 0, 0, 0, 0};
+    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, 0, 0, 0, 0};
     gemm.tiles = (p.n + G::kRowsPerTile - 1) / G::kRowsPerTile;
     gemm.col_blocks = (gemm.tiles + kBMT - 1) / kBMT;
     gemm.ksteps = (p.chunks + kStageChunks - 1) / kStageChunks;
@@ -640,7 +691,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
 }  // namespace
 
 // FC2: persistent grid (at most one block per SM), 384 threads; dynamic shared memory = kStages
-// stages + (slots + 1) ints (experts/gemm.py computes it). Arguments as gemm_fp4.cu's gemm_fc2.
+// stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py computes it). Arguments as gemm_fp4.cu's gemm_fc2.
 template <int kFormat, typename T, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,

@@ -61,6 +61,9 @@ __all__ = [
 _MTILE_BYTES = 1024
 _XROW_BYTES = 256
 _SCALE_TILE_BYTES = {Fp4Format.NVFP4.code: 128, Fp4Format.MXFP4.code: 64}
+#: The wgmma epilogue's two staging buffers: 16 rows of 256 16-bit columns + 16 bytes each
+#: (Gemm90::kEpiBytes in cuda/gemm_sm90.cu).
+_EPI_BYTES = 2 * 16 * (256 * 2 + 16)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +114,10 @@ class GemmConfig:
         """Dynamic shared memory of a launch: the stages and the row-tile table of ``slots``."""
         return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
 
+    #: Static shared memory of the kernel, rounded up: the scale table (1 KB) and the scan's
+    #: warp totals.
+    static_bytes = 1024 + 64
+
     @staticmethod
     def for_rows(
         rows: int, n_experts: int, *, fmt_code: int = 0, max_shared: int | None = None
@@ -133,7 +140,7 @@ class GemmConfig:
         fitting = [
             GemmConfig(*t)
             for t in GEMM_TILINGS
-            if GemmConfig(*t).shared_bytes(fmt_code, slots) <= max_shared
+            if GemmConfig(*t).shared_bytes(fmt_code, slots) + GemmConfig.static_bytes <= max_shared
         ]
         if not fitting:
             raise ValueError(
@@ -208,6 +215,9 @@ class WgmmaConfig:
     threads = 384
     #: m-tiles (16 weight rows) per block tile: two per consumer warp.
     m_tiles = 16
+    #: Static shared memory of the kernel, rounded up: the scale table (1 KB), the mbarriers
+    #: and the scan's warp totals.
+    static_bytes = 1024 + 256
 
     def stage_bytes(self, fmt_code: int) -> int:
         """Activations, weights, and the scales padded to whole kilobytes (Gemm90 in
@@ -217,8 +227,9 @@ class WgmmaConfig:
 
     def shared_bytes(self, fmt_code: int, slots: int) -> int:
         """Dynamic shared memory of a launch: 1 KB of slack to align the stages to 1024 bytes
-        (the swizzle atoms), the stages, and the row-tile table of ``slots``."""
-        return 1024 + self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
+        (the swizzle atoms), the stages, the epilogue's staging buffers, and the row-tile table
+        of ``slots``."""
+        return 1024 + self.stages * self.stage_bytes(fmt_code) + _EPI_BYTES + 4 * (slots + 1)
 
 
 def wgmma_enabled() -> bool:
@@ -269,11 +280,15 @@ def default_config(
 ) -> GemmConfig | WgmmaConfig:
     """The analytic tiling of a call: the wgmma kernel (bn 128) where :func:`wgmma_enabled` and
     the average rows per active expert exceed ``wgmma_min`` (the shape's threshold,
-    :func:`.handover.hand_over_for`; default :data:`WGMMA_MIN_ROWS_PER_EXPERT`), else
+    :func:`.handover.hand_over_for`; default :data:`WGMMA_MIN_ROWS_PER_EXPERT`) and its shared
+    memory fits the device's block (for ``min(rows, n_experts)`` slots), else
     :meth:`GemmConfig.for_rows` within the current device's shared memory."""
-    per_expert = rows / max(1, min(rows, n_experts))
-    if per_expert > wgmma_min and wgmma_enabled():
-        return WgmmaConfig(*WGMMA_TILINGS[-1])
+    slots = max(1, min(rows, n_experts))
+    if rows / slots > wgmma_min and wgmma_enabled():
+        wgmma = WgmmaConfig(*WGMMA_TILINGS[-1])
+        # a layer of thousands of experts: the row-tile table leaves the block no room
+        if wgmma.shared_bytes(fmt_code, slots) + wgmma.static_bytes <= max_shared_per_block():
+            return wgmma
     return GemmConfig.for_rows(
         rows, n_experts, fmt_code=fmt_code, max_shared=max_shared_per_block()
     )
