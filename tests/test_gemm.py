@@ -102,8 +102,26 @@ def test_wgmma_config_table() -> None:
     assert 8 < WGMMA_MIN_ROWS_PER_EXPERT < 128  # between the measured losses and wins
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
-        assert cfg.shared_bytes(0, 2048) <= 227 * 1024 - 2048  # static: table and barriers
+        for fmt in (0, 1):  # a layer of 2,048 experts still fits
+            assert cfg.shared_bytes(fmt, 2048) + cfg.static_bytes <= 227 * 1024
         assert cfg.threads == 384 and cfg.m_tiles == 16
+
+
+def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cupymoe.experts import gemm
+
+    monkeypatch.setattr(gemm, "compute_capability", lambda: 90)
+    monkeypatch.setattr(gemm, "max_shared_per_block", lambda: 227 * 1024)
+    monkeypatch.delenv(gemm.ENV_WGMMA, raising=False)
+    wgmma = WgmmaConfig(*WGMMA_TILINGS[-1])
+    assert gemm.default_config(256 * 128, 256, 0) == wgmma
+    # the largest expert count whose row-tile table fits beside the stages, and one more
+    fits = (227 * 1024 - wgmma.static_bytes - wgmma.shared_bytes(0, 0)) // 4
+    assert gemm.default_config(fits * 128, fits, 0) == wgmma
+    assert isinstance(gemm.default_config((fits + 1) * 128, fits + 1, 0), GemmConfig)
+    assert isinstance(gemm.default_config(256 * 128, 256, 0, wgmma_min=128), GemmConfig)
 
 
 def test_wgmma_specs_target_sm90a() -> None:
@@ -479,6 +497,51 @@ def test_split_positions_are_the_producers_b_order(n: int) -> None:
     assert np.array_equal(pos[tail:], np.arange(tail, n))
     with pytest.raises(ValueError, match="n: expected an int >= 0"):
         split_positions(-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
+    rng: np.random.Generator, fmt: str
+) -> None:
+    """The wgmma epilogue copies staged rows out 16 bytes at a time only where every row starts
+    16-byte aligned: FC1 at n = 100 (200-byte rows) and FC2 into an ``out`` that starts 2 bytes
+    past an allocation take the element-wise copy; both against the references, NaN-poisoned."""
+    import cupy
+
+    from cupymoe.experts.gemm import gemm_fc1, gemm_fc2, wgmma_enabled
+    from cupymoe.experts.gemv import prepare_fc1, prepare_fc2, scale_shift
+
+    if not wgmma_enabled():
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    e, h, i, m, k = 4, 256, 100, 300, 2  # 150 rows per expert: a full and a partial row tile
+    gate, up = (random_fp4_experts(rng, e, i, h, fmt) for _ in range(2))
+    down = random_fp4_experts(rng, e, h, 128, fmt)
+    w1, w2 = prepare_fc1(gate, up), prepare_fc2(down)
+    ids = _random_ids(rng, m, k, e)
+    routing = _device_routing(ids, e)
+    offsets, rows, _, _ = expert_maps_ref(ids, e)
+    cfg = WgmmaConfig(*WGMMA_TILINGS[-1])
+    x = rng.standard_normal((m, h)).astype(BF16)
+    out = cupy.full((m * k, i), np.nan, BF16)
+    gemm_fc1(
+        cupy.asarray(x),
+        w1,
+        routing,
+        act=ActivationSpec("swiglu"),
+        top_k=k,
+        shift=scale_shift(w1, BF16),
+        out=out,
+        config=cfg,
+    )
+    _close(fc1_ref(x[rows // k], gate, up, offsets, act=ActivationSpec("swiglu")), out, BF16, "fc1")
+    hin = rng.standard_normal((m * k, 128)).astype(BF16)
+    flat = cupy.full(m * k * h + 1, np.nan, BF16)
+    y = flat[1:].reshape(m * k, h)  # 2 bytes past the allocation's 256-byte alignment
+    assert y.data.ptr % 16 == 2
+    gemm_fc2(cupy.asarray(hin), w2, routing, shift=scale_shift(w2, BF16), out=y, config=cfg)
+    _close(fc2_ref(hin, down, offsets), y, BF16, "fc2")
+    assert bool(cupy.isnan(flat[0]))  # nothing written before out
 
 
 def test_permuted_h_needs_the_wgmma_kernel(rng: np.random.Generator) -> None:

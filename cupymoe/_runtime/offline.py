@@ -3,8 +3,8 @@
 
 :func:`compile_offline` compiles any list of specialisations to machine code for a named
 architecture, from the text the run-time loader compiles (:func:`~.compile.kernel_source`), and
-reports what ptxas says about each (registers, stack, spills). The test suite compiles
-:func:`~.compile.all_kernel_specs` this way for sm_80 … sm_120.
+reports what ptxas says about each (registers, stack, spills, static shared memory). The test
+suite compiles :func:`~.compile.all_kernel_specs` this way for sm_80 … sm_120.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ __all__ = [
 _PTXAS_USAGE = re.compile(
     r"Function properties for (?P<name>\S+)\s*\n.*?(?P<stack>\d+) bytes stack frame, "
     r"(?P<spill_st>\d+) bytes spill stores, (?P<spill_ld>\d+) bytes spill loads"
-    r"(?:.*?\n.*?Used (?P<regs>\d+) registers)?",
+    r"(?:.*?\n.*?Used (?P<regs>\d+) registers"
+    r"(?:, used \d+ barriers)?(?:, (?P<smem>\d+) bytes smem)?)?",
     re.DOTALL,
 )
 
@@ -46,6 +47,7 @@ class OfflineResult:
     registers: int
     stack_bytes: int
     spill_bytes: int  # spill stores + spill loads
+    smem_bytes: int  # static shared memory
     #: ptxas's performance warnings about this function (e.g. wgmma serialised), one per line.
     notes: tuple[str, ...] = ()
 
@@ -99,6 +101,7 @@ def _compile_program(
                     registers=int(m.group("regs") or 0) if m else -1,
                     stack_bytes=int(m.group("stack")) if m else -1,
                     spill_bytes=(int(m.group("spill_st")) + int(m.group("spill_ld"))) if m else -1,
+                    smem_bytes=int(m.group("smem") or 0) if m else -1,
                     notes=notes,
                 )
             )

@@ -251,13 +251,13 @@ def tune_gemv(
 def gemm_candidates(rows: int, n_experts: int, fmt_code: int) -> list[GemmConfig | WgmmaConfig]:
     """Every grouped-GEMM tiling that runs on the current device for ``rows`` expanded rows
     over ``n_experts`` experts: the mma.sync :data:`.gemm.GEMM_TILINGS`, and the
-    :data:`.gemm.WGMMA_TILINGS` where :func:`.gemm.wgmma_enabled`, whose shared memory (stages
-    and the row-tile table of ``min(rows, n_experts)`` slots) fits the device's opt-in limit."""
+    :data:`.gemm.WGMMA_TILINGS` where :func:`.gemm.wgmma_enabled`, whose shared memory (static,
+    and dynamic for ``min(rows, n_experts)`` slots) fits the device's opt-in limit."""
     configs: list[GemmConfig | WgmmaConfig] = [GemmConfig(*t) for t in GEMM_TILINGS]
     if wgmma_enabled():
         configs += [WgmmaConfig(*t) for t in WGMMA_TILINGS]
     slots, limit = min(rows, n_experts), max_shared_per_block()
-    return [c for c in configs if c.shared_bytes(fmt_code, slots) <= limit]
+    return [c for c in configs if c.shared_bytes(fmt_code, slots) + c.static_bytes <= limit]
 
 
 def candidate_label(config: GemvConfig | GemmConfig | WgmmaConfig) -> str:
