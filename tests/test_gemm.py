@@ -99,7 +99,8 @@ def test_wgmma_config_table() -> None:
         WgmmaConfig(64, 6)
     with pytest.raises(TypeError, match="bn"):
         WgmmaConfig(True, 4)  # type: ignore[arg-type]
-    assert 8 < WGMMA_MIN_ROWS_PER_EXPERT < 128  # between the measured losses and wins
+    assert 4 <= WGMMA_MIN_ROWS_PER_EXPERT < 16  # between the measured ties and wins
+    assert [t[0] for t in WGMMA_TILINGS] == [64, 128]  # default_config: narrow first, widest last
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         for fmt in (0, 1):  # a layer of 2,048 experts still fits
@@ -117,6 +118,14 @@ def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
     monkeypatch.delenv(gemm.ENV_WGMMA, raising=False)
     wgmma = WgmmaConfig(*WGMMA_TILINGS[-1])
     assert gemm.default_config(256 * 128, 256, 0) == wgmma
+    # bn 64 up to its limit of rows per expert, with the same fallback
+    narrow, limit = WgmmaConfig(*WGMMA_TILINGS[0]), gemm.WGMMA_NARROW_MAX_ROWS_PER_EXPERT
+    assert gemm.default_config(256 * limit, 256, 0) == narrow
+    assert gemm.default_config(256 * limit + 1, 256, 0) == wgmma
+    assert gemm.default_config(256 * 9, 256, 0, wgmma_min=8) == narrow
+    assert isinstance(gemm.default_config(256 * 8, 256, 0, wgmma_min=8), GemmConfig)
+    big = (227 * 1024 - narrow.static_bytes - narrow.shared_bytes(0, 0)) // 4 + 1
+    assert isinstance(gemm.default_config(big * 16, big, 0), GemmConfig)
     # the largest expert count whose row-tile table fits beside the stages, and one more
     fits = (227 * 1024 - wgmma.static_bytes - wgmma.shared_bytes(0, 0)) // 4
     assert gemm.default_config(fits * 128, fits, 0) == wgmma
@@ -315,7 +324,7 @@ def _both_sides(limit: float, e: int, k: int) -> list[int]:
 def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> None:
     """One row per expert either side of each threshold of the shape's analytic hand-over
     (:func:`.handover.hand_over_for`): the GEMV and the grouped GEMM, then the mma.sync tiling
-    and the wgmma kernel, against the reference and against each other; the automatic call
+    and each wgmma tiling, against the reference and against each other; the automatic call
     gives bitwise what its chosen backend gives."""
     import cupy
 
@@ -349,7 +358,7 @@ def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> 
         return fc2_ref(x, down, offsets)
 
     backends = dispatch.Backend
-    wgmma = WgmmaConfig(*WGMMA_TILINGS[-1]) if wgmma_enabled() else None
+    wgmmas = [WgmmaConfig(*t) for t in WGMMA_TILINGS] if wgmma_enabled() else []
     for limit, pair in ((hand.gemv_max, "gemv/gemm"), (hand.wgmma_min, "mma/wgmma")):
         for m in _both_sides(limit, e, k):
             ids = _random_ids(rng, m, k, e)
@@ -361,8 +370,8 @@ def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> 
             else:
                 mma = GemmConfig.for_rows(m * k, e, max_shared=max_shared_per_block())
                 outs = {"mma": run(ids, x, config=mma)}
-                if wgmma is not None:
-                    outs["wgmma"] = run(ids, x, config=wgmma)
+                for wgmma in wgmmas:  # each tiling the analytic rule may pick there
+                    outs[f"wgmma bn {wgmma.bn}"] = run(ids, x, config=wgmma)
             for name, out in outs.items():
                 _close(ref, out, BF16, f"{op} {name} M={m} ({m * k / e:g} rows per expert)")
             first, *others = outs.values()
@@ -685,3 +694,88 @@ def test_layer_passes_h_in_the_split_order(
     some = slice(0, 512)  # the float64 reference of 512 tokens (each token's rows are its own)
     ref = cm.moe_reference(x[some], logits[some], layer)
     assert_close(ref, split[some], max_rel=2 * max_rel, rms_rel=2 * rms_rel, name=activation)
+
+
+# ---- the wgmma kernel's tensor maps (CPU) ------------------------------------------------------
+def _tma_box(
+    data: np.ndarray, dims: tuple, strides: tuple, box: tuple, coords: tuple
+) -> np.ndarray:
+    """A tiled TMA box of 8-byte elements as the copy engine writes it to shared memory: dense,
+    innermost dimension fastest, elements outside ``dims`` zero."""
+    flat = data.reshape(-1).view(np.uint8)
+    out = np.zeros((box[2], box[1], box[0] * 8), np.uint8)
+    for i2 in range(box[2]):
+        for i1 in range(box[1]):
+            for i0 in range(box[0]):
+                c = (coords[0] + i0, coords[1] + i1, coords[2] + i2)
+                if all(ci < d for ci, d in zip(c, dims, strict=True)):
+                    at = c[0] * 8 + c[1] * strides[0] + c[2] * strides[1]
+                    out[i2, i1, 8 * i0 : 8 * i0 + 8] = flat[at : at + 8]
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize(
+    ("n_experts", "tiles", "chunks", "unit"),
+    [(3, 20, 9, 128), (2, 13, 4, 256), (2, 40, 6, 32), (3, 7, 90, 16)],  # gate/up, w, scales
+)
+def test_stage_boxes_are_the_block_tiles_chunks(
+    rng: np.random.Generator, n_experts: int, tiles: int, chunks: int, unit: int
+) -> None:
+    """Each stage's box (load_weights: chunk bytes 4 ks unit, m-tile 16 cblock, expert e) holds
+    m-tiles 16 cblock .. + 15 x chunks 4 ks .. + 3 of expert e, each m-tile's 4 chunks
+    contiguous (the consumers' layout), zero past the last m-tile and the last chunk."""
+    from cupymoe._runtime.tensormap import UINT64, check_geometry
+    from cupymoe.experts.gemm import map_geometry
+
+    data = rng.integers(0, 256, (n_experts, tiles, chunks, unit), dtype=np.uint8)
+    dims, strides, box = map_geometry(n_experts, tiles, chunks, unit)
+    check_geometry(1 << 20, UINT64, dims, strides, box)
+    m_tiles = WgmmaConfig.m_tiles
+    padded = np.zeros(
+        (n_experts, -(-tiles // m_tiles) * m_tiles, -(-chunks // 4) * 4, unit), np.uint8
+    )
+    padded[:, :tiles, :chunks] = data
+    for e in range(n_experts):
+        for cblock in range(-(-tiles // m_tiles)):
+            for ks in range(-(-chunks // 4)):
+                got = _tma_box(data, dims, strides, box, (ks * 4 * unit // 8, cblock * m_tiles, e))
+                want = padded[e, cblock * m_tiles : (cblock + 1) * m_tiles, 4 * ks : 4 * ks + 4]
+                np.testing.assert_array_equal(got, want.reshape(-1), err_msg=f"{e} {cblock} {ks}")
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "deepseek-v3"])
+def test_preset_tensor_maps_are_valid(preset: str) -> None:
+    """Every preset's four weight maps and two scale maps meet the driver's rules."""
+    from cupymoe._runtime.tensormap import UINT64, check_geometry
+    from cupymoe.experts.gemm import map_geometry
+    from cupymoe.experts.layouts import chunk_count
+    from cupymoe.formats import Fp4Format
+    from cupymoe.presets import PRESETS
+
+    s = PRESETS[preset]
+    scale_unit = 32 if Fp4Format.parse(s.format) is Fp4Format.NVFP4 else 16
+    for n, k, rows_per_tile in ((s.intermediate, s.hidden, 8), (s.hidden, s.intermediate, 16)):
+        tiles = -(-n // rows_per_tile)
+        for unit in (rows_per_tile * 16, scale_unit):
+            dims, strides, box = map_geometry(s.n_experts, tiles, chunk_count(k), unit)
+            check_geometry(1 << 30, UINT64, dims, strides, box)
+            assert box[0] * 8 * box[1] in (8192, 16384, 2048, 1024)  # one stage's bytes
+
+
+def test_tensor_map_geometry_errors() -> None:
+    from cupymoe._runtime.tensormap import UINT8, UINT64, check_geometry
+
+    good = ((64, 20, 3), (512, 10240), (64, 16, 1))
+    check_geometry(256, UINT64, *good)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        check_geometry(8, UINT64, *good)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        check_geometry(256, UINT64, (64, 20, 3), (520, 10400), (64, 16, 1))
+    with pytest.raises(ValueError, match="outside 1..256"):
+        check_geometry(256, UINT8, (512, 20, 3), (512, 10240), (512, 16, 1))
+    with pytest.raises(ValueError, match="inner box"):
+        check_geometry(256, UINT8, (512, 20, 3), (512, 10240), (8, 16, 1))
+    with pytest.raises(ValueError, match="outside 1..2"):
+        check_geometry(256, UINT64, (0, 20, 3), (512, 10240), (64, 16, 1))
+    with pytest.raises(ValueError, match="rank"):
+        check_geometry(256, UINT64, (64, 20), (512, 10240), (64, 16))

@@ -96,6 +96,11 @@ def _rows(per_expert: float) -> int:
     return int(per_expert * E)
 
 
+def _analytic(rows: int) -> tuple[Backend, Any]:
+    """The analytic rule's choice for the test shape (FC1) at ``rows``."""
+    return handover.analytic_choice(op="fc1", n=N, k=K, n_experts=E, rows=rows, fmt_code=NVFP4)
+
+
 def _gemv_config(rows: int, op: str = "fc1") -> GemvConfig:
     n, k = (N, K) if op == "fc1" else (K, N)
     return GemvConfig.for_problem(
@@ -127,17 +132,18 @@ def test_hand_over_rejects(value: object) -> None:
         HandOver(value, 64)  # type: ignore[arg-type]
 
 
-# Qwen3.6 FC1 over 256 experts: the GEMV up to 8 rows per expert, then the mma.sync table, the
-# wgmma kernel above 32 on compute capability 9.0 only
+# Qwen3.6 FC1 over 256 experts: the GEMV up to 8 rows per expert, then on compute capability 9.0
+# the wgmma kernel (bn 64 up to 32 rows per expert, bn 128 above), elsewhere the mma.sync table
 @pytest.mark.parametrize(
     ("per_expert", "cc", "want"),
     [
         (1 / 8, 90, "gemv"),  # one token
         (8, 90, "gemv"),
-        (8 + 1 / 256, 90, "mma"),
-        (32, 90, "mma"),
+        (8 + 1 / 256, 90, "wgmma"),
+        (32, 90, "wgmma"),
         (32 + 1 / 256, 90, "wgmma"),
         (512, 90, "wgmma"),
+        (8 + 1 / 256, 80, "mma"),
         (512, 80, "mma"),
     ],
 )
@@ -152,6 +158,8 @@ def test_analytic_choice(device: dict[str, Any], per_expert: float, cc: int, wan
         assert config == _gemv_config(rows)
     if want == "mma":
         assert config == GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
+    if want == "wgmma":
+        assert config == WgmmaConfig(*WGMMA_TILINGS[0 if per_expert <= 32 else -1])
     got = dispatch.backend_for(rows, 0, layout=WeightLayout.SPLIT, n_experts=E)
     assert got is backend  # the analytic rule of dispatch agrees
 
@@ -249,8 +257,9 @@ def test_forced_backend_gets_its_own_tiling(device: dict[str, Any]) -> None:
     )
     # it is not: that backend's table
     rows = _rows(16)
-    want = GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
-    assert handover.choose(_weights(), rows, BF16, 0, backend=gemm_backend) == (Backend.GEMM, want)
+    want = _analytic(rows)
+    assert want[1] == WgmmaConfig(*WGMMA_TILINGS[0])  # 16 rows per expert: wgmma bn 64
+    assert handover.choose(_weights(), rows, BF16, 0, backend=gemm_backend) == want
     assert handover.choose(_weights(), _rows(4), BF16, 0, backend=gemv_backend) == (
         Backend.GEMV,
         _gemv_config(_rows(4)),
@@ -303,7 +312,7 @@ def test_stale_entry_is_ignored_with_one_warning(
 ) -> None:
     _store(16, backend, config)
     rows = _rows(16)
-    analytic = (Backend.GEMM, GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024))
+    analytic = _analytic(rows)
     with pytest.warns(UserWarning, match=match):
         assert handover.choose(_weights(), rows, BF16, 0) == analytic
     import warnings
@@ -320,9 +329,7 @@ def test_entry_without_a_backend_is_ignored(device: dict[str, Any]) -> None:
     device["path"].write_text(json.dumps(data))
     cache.clear_cache()
     with pytest.warns(UserWarning, match="backend"):
-        assert handover.choose(_weights(), _rows(16), BF16, 0)[1] == GemmConfig.for_rows(
-            _rows(16), E, fmt_code=NVFP4, max_shared=227 * 1024
-        )
+        assert handover.choose(_weights(), _rows(16), BF16, 0) == _analytic(_rows(16))
 
 
 def test_outdated_file_is_ignored(device: dict[str, Any]) -> None:

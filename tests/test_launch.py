@@ -198,3 +198,17 @@ def test_pdl_bitwise_equal_to_ordinary_launches(
     assert_close(
         cm.moe_reference(x, logits[0], layers[0]), got, max_rel=2 * max_rel, rms_rel=2 * rms_rel
     )
+
+
+def test_tensor_map_params_are_the_128_bytes() -> None:
+    """A TensorMap argument's kernelParams entry points at the map's own 64-byte aligned bytes
+    (the driver copies them into the __grid_constant__ parameter)."""
+    from cupymoe._runtime.tensormap import TensorMap
+
+    m = TensorMap(("test",))
+    ctypes.memmove(m.address, bytes(range(128)), 128)
+    params, values = launch_mod.kernel_params([np.int32(7), m])
+    assert m.address % 64 == 0
+    assert ctypes.cast(params[0], ctypes.POINTER(ctypes.c_int32)).contents.value == 7
+    assert params[1] == m.address
+    assert ctypes.string_at(params[1], 128) == bytes(range(128)) == m.raw

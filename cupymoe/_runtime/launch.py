@@ -4,8 +4,9 @@ thread-block clusters.
 
 CuPy validates nothing about kernel arguments ("No validation is performed ... including types
 and number of arguments"): a bare Python ``int`` becomes a 64-bit value and silently shifts every
-later argument. :func:`launch` accepts only device arrays, ``None`` (a null pointer) and NumPy
-scalars of an exact type, so each call site states the C++ type of every scalar.
+later argument. :func:`launch` accepts only device arrays, ``None`` (a null pointer), NumPy
+scalars of an exact type, so each call site states the C++ type of every scalar, and
+:class:`.tensormap.TensorMap` values (128-byte ``__grid_constant__`` parameters).
 
 PDL (sm_90 and newer, CUDA driver 12.3 and newer, which records it in CUDA graphs too): a launch
 with the programmatic-stream-serialization attribute may start while the previous kernel on the
@@ -35,6 +36,7 @@ import numpy as np
 from .backend import require_cupy
 from .compile import KernelSpec, get_kernel
 from .device import current_device
+from .tensormap import TensorMap
 
 __all__ = [
     "ENV_CLUSTERS",
@@ -103,11 +105,11 @@ class _LaunchConfig(ctypes.Structure):
 def _check_args(spec: KernelSpec, args: Sequence[Any]) -> None:
     cupy = require_cupy()
     for i, a in enumerate(args):
-        if a is None or isinstance(a, (cupy.ndarray, *_SCALAR_TYPES)):
+        if a is None or isinstance(a, (cupy.ndarray, TensorMap, *_SCALAR_TYPES)):
             continue
         raise TypeError(
-            f"{spec.name}: argument {i} must be a cupy.ndarray or an exact NumPy scalar "
-            f"(np.int32(...), np.float32(...)), got {type(a).__name__}"
+            f"{spec.name}: argument {i} must be a cupy.ndarray, a TensorMap or an exact NumPy "
+            f"scalar (np.int32(...), np.float32(...)), got {type(a).__name__}"
         )
 
 
@@ -127,12 +129,16 @@ def kernel_params(args: Sequence[Any]) -> tuple[Any, list[Any]]:
             values.append(ctypes.c_void_p(0))
         elif type(a) in _CTYPES:
             values.append(_CTYPES[type(a)](a.item()))
+        elif isinstance(a, TensorMap):  # the parameter is the 128 bytes themselves
+            values.append(a)
         else:  # cupy.ndarray: its device address
             values.append(ctypes.c_void_p(int(a.data.ptr)))
     # addressof gives the address cast(pointer(v), c_void_p) gives, without two temporary ctypes
     # objects per argument: 11 arguments (a GEMV launch) 33 -> 8 µs of host time
     addressof = ctypes.addressof
-    array = (ctypes.c_void_p * max(len(values), 1))(*[addressof(v) for v in values])
+    array = (ctypes.c_void_p * max(len(values), 1))(
+        *[v.address if isinstance(v, TensorMap) else addressof(v) for v in values]
+    )
     return array, values
 
 
@@ -251,7 +257,8 @@ def launch(
         )
     kernel = get_kernel(spec)
     pdl = pdl and pdl_enabled()
-    if pdl or cluster > 1:
+    # CuPy's launch cannot pass a 128-byte tensor map: those go through cuLaunchKernelEx too
+    if pdl or cluster > 1 or any(isinstance(a, TensorMap) for a in args):
         cupy = require_cupy()
         s = stream if stream is not None else cupy.cuda.get_current_stream()
         config, attr = launch_config(

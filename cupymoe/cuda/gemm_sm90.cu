@@ -13,10 +13,13 @@
 // column block, so the weight rows per tile set the bytes per MAC (128 rows moved 1.6x the bytes
 // per MAC of 256, and their layer ran 19-26 % slower at 4,096 tokens).
 //
-// Warp groups (384 threads). Group 0 is the producer: one lane per copy (warps 0 and 1, eight
-// m-tiles each) issues the weight and scale bytes of a stage as bulk copies (cp.async.bulk,
-// completing on the stage's "full" mbarrier with their byte count), and all 128 threads gather
-// the activation rows through the expert map with 16-byte cp.async into the stage itself.
+// Warp groups (384 threads). Group 0 is the producer: one thread issues the weights and scales of
+// a stage as one TMA box per matrix (3-D tensor maps over [expert, m-tile, bytes of the tile's
+// chunks], completing on the stage's "full" mbarrier with their byte count; out-of-range m-tiles
+// and chunks are zero-filled), and all 128 threads gather the activation rows of the item's
+// wgmma width through the expert map with 16-byte cp.async into the stage itself. The tensor
+// maps replaced one 1-D bulk copy per m-tile and matrix (32-48 per stage), which the copy
+// engine's per-request cost made the producer's bound at few rows per item.
 // Groups 1 and 2 are the consumers: warp w of group c owns m-tiles 4c + w and 8 + 4c + w, i.e.
 // the 16 rows that each of two wgmma m64nNk16 give that warp. Per stage a lane reads its 2 x 16
 // bytes of weight rows g, g + 8 of chunk t per m-tile (the split layout's rotated slots,
@@ -193,12 +196,23 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
             : "memory");
     } while (!done);
 }
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+// A CUtensorMap (cuTensorMapEncodeTiled through the driver; _runtime/tensormap.py), passed by
+// value as a __grid_constant__ kernel parameter: the TMA unit reads it in the parameter space.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// One box of a 3-D tensor map (coordinates innermost first) into shared memory, completing on
+// the mbarrier with the box's byte count (out-of-range elements zero-filled and counted).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* map, int c0, int c1, int c2,
+                                            uint32_t bar) {
     asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+        "%3, %4}], [%5];" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
+
 // Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma).
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -273,9 +287,13 @@ struct Gemm90 {
     static constexpr int kScaleTileBytes = kStageChunks * kScaleChunkBytes;
     static constexpr int kRowsPerTile = kGated ? 8 : 16;          // rows of one matrix per m-tile
     // A stage: activations (B, first: its swizzle atoms are 1024-byte aligned), weights (A),
-    // scales (padded to 1 KB so that every stage is a multiple of 1024 bytes).
+    // scales (padded to 1 KB so that every stage is a multiple of 1024 bytes). The weights are
+    // the TMA boxes as they land: FC1 all gate m-tiles (512 bytes each: 4 chunks x 8 rows x 16
+    // bytes), then all up m-tiles; FC2 the m-tiles of 1 KB (4 chunks x 16 rows x 16 bytes).
     static constexpr int kBBytes = kBN * kStageCodes * 2;
     static constexpr int kABytes = kBMT * kMTileBytes;
+    static constexpr int kMatTileBytes = kGated ? kMTileBytes / 2 : kMTileBytes;  // one matrix
+    static constexpr int kUnitBytes = kRowsPerTile * 16;  // one m-tile, matrix and chunk
     static constexpr int kAOff = kBBytes;
     static constexpr int kSOff = kBBytes + kABytes;
     static constexpr int kSPad = (kBMT * kScaleTileBytes + 1023) / 1024 * 1024;
@@ -295,6 +313,11 @@ struct Gemm90 {
     static constexpr int kEpiStride = kBC * 2 + 16;
     static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
+    // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
+    // 128 one: the accumulators leave no registers for more. Narrow tiles finish a group's
+    // wgmma long before the next group's decode (a dependent chain of shared loads and ALU
+    // work) is done, so they decode several independent chains at once.
+    static constexpr int kBatch = kBN >= 128 ? 1 : kBN >= 64 ? 2 : 4 * kMT;
     static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
     static_assert(kStageBytes % 1024 == 0 && kBMT % 8 == 0, "stage alignment");
     // The producer publishes a gathered slot kLag stages after its copies: the copies land while
@@ -310,6 +333,9 @@ struct Gemm90 {
     const uint32_t* table;  // 256 scale-table entries (shared)
     uint8_t* epi;           // the epilogue's two staging buffers (shared)
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
+    const TensorMap* map0;  // weights (FC1 gate), map1: FC1 up, smap: scales (parameter space)
+    const TensorMap* map1;
+    const TensorMap* smap;
     int tiles, col_blocks, ksteps, n_items;
 
     // Whether the activations hold their whole stages in the split k order already (FC2's h
@@ -328,11 +354,12 @@ struct Gemm90 {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int q = lane / 8;  // this lane's pieces 32t + 8q of each row, t = 0..3
         const T* const x = static_cast<const T*>(p.x);
-        const size_t a_expert = (size_t)tiles * kRowsPerTile * p.chunks * 16;
-        const size_t s_expert = (size_t)tiles * p.chunks * kScaleChunkBytes;
         int st = 0, pub = 0;  // stages [pub, st) are gathered and not yet published
         for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
             const Item it = item(index);
+            // Only the rows the consumers' wgmma reads (the item's width, a multiple of 32) are
+            // gathered: passes past it would fill rows that no wgmma reads.
+            const int passes = min(kBN, (it.rows + 31) / 32 * 32) / 32;
             const T* src[kRowPasses];
 #pragma unroll
             for (int ps = 0; ps < kRowPasses; ++ps) {
@@ -341,26 +368,8 @@ struct Gemm90 {
                 const int s = p.row_source ? p.row_source[r] / p.top_k : r;
                 src[ps] = n < it.rows ? x + (size_t)s * p.k + 8 * q : nullptr;
             }
-            // Copy lane: FC2 lanes 0-7 weights of m-tile lane, 8-15 its scales; FC1 lanes 0-7
-            // gate, 8-15 up, 16-23 scales.
-            const int ctile = warp * 8 + lane % 8, cpart = lane / 8;
-            const int tile = it.cblock * kBMT + ctile;
-            // Warp w < kMT copies m-tiles 8w .. 8w + 7 of the block tile.
-            const int live_tiles = max(0, min(8, tiles - it.cblock * kBMT - warp * 8));
-            const uint8_t* csrc;
-            uint32_t cdst, cstride, cunit;
-            if (cpart == (kGated ? 2 : 1)) {
-                csrc = p.scales + it.e * s_expert + (size_t)tile * p.chunks * kScaleChunkBytes;
-                cdst = kSOff + ctile * kScaleTileBytes;
-                cunit = kScaleChunkBytes;
-            } else {
-                csrc = (cpart == 1 ? p.w1 : p.w0) + it.e * a_expert +
-                       (size_t)tile * p.chunks * kRowsPerTile * 16;
-                cdst = kAOff + ctile * kMTileBytes + cpart * 512;
-                cunit = kRowsPerTile * 16;
-            }
-            cstride = kStageChunks * cunit;
-            const bool copies = warp < kMT && cpart <= (kGated ? 2 : 1) && lane % 8 < live_tiles;
+            const bool issues = threadIdx.x == 0;  // the stage's TMA boxes and their byte count
+            const int c1 = it.cblock * kBMT;
 
             for (int ks = 0; ks < ksteps; ++ks, ++st) {
                 const int slot = st % kStages;
@@ -372,15 +381,10 @@ struct Gemm90 {
                     if (pub < st) flush(pub, st);  // a K tail's gathered stage before a whole one
                     ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                    if (warp < kMT) {
-                        if (lane == 0)
-                            mbar_expect_tx(full + 8 * slot,
-                                           live_tiles * kStageChunks * (256 + kScaleChunkBytes));
-                        __syncwarp();
-                        if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, kStageChunks * cunit, full + 8 * slot);
-                    }
+                    if (issues) load_weights(stage, ks, c1, it.e, full + 8 * slot);
 #pragma unroll
                     for (int ps = 0; ps < kRowPasses; ++ps) {
+                        if (ps >= passes) break;  // uniform: the item's
                         const int n = ps * 32 + warp * 8 + lane % 8;
                         const uint32_t row = stage + n * 128;
                         const T* const from = src[ps] != nullptr ? src[ps] - 8 * q + ks * kStageCodes : x;
@@ -399,18 +403,13 @@ struct Gemm90 {
                 }
                 mbar_wait(empty + 8 * slot, parity);
                 const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                if (warp < kMT) {
-                    const int vc = min(kStageChunks, p.chunks - ks * kStageChunks);
-                    if (lane == 0)
-                        mbar_expect_tx(full + 8 * slot, live_tiles * vc * (256 + kScaleChunkBytes));
-                    __syncwarp();
-                    if (copies) bulk_copy(stage + cdst, csrc + ks * cstride, vc * cunit, full + 8 * slot);
-                }
+                if (issues) load_weights(stage, ks, c1, it.e, full + 8 * slot);
                 // Piece t (codes 32t + 8q) of row n lands in the 16 bytes that this thread's
                 // regrouping will overwrite (half q / 2, logical chunk 4 (q % 2) + t), so the
                 // regrouping needs no other thread's data and no barrier.
 #pragma unroll
                 for (int ps = 0; ps < kRowPasses; ++ps) {
+                    if (ps >= passes) break;  // uniform: the item's
                     const int n = ps * 32 + warp * 8 + lane % 8;
                     const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
 #pragma unroll
@@ -430,6 +429,18 @@ struct Gemm90 {
             }
         }
         flush(pub, st);
+    }
+
+    // Stage ks of the item's weights and scales (m-tiles c1 .. c1 + kBMT - 1 of expert e): one
+    // box per matrix, 4 chunks of kBMT m-tiles; m-tiles past the matrix and chunks past K come
+    // zero-filled (and count in the box's bytes).
+    __device__ __forceinline__ void load_weights(uint32_t stage, int ks, int c1, int e, uint32_t bar) const {
+        mbar_expect_tx(bar, kABytes + kBMT * kScaleTileBytes);
+        tma_load_3d(stage + kAOff, map0, ks * kStageChunks * kUnitBytes / 8, c1, e, bar);
+        if constexpr (kGated)
+            tma_load_3d(stage + kAOff + kBMT * kMatTileBytes, map1, ks * kStageChunks * kUnitBytes / 8, c1, e,
+                        bar);
+        tma_load_3d(stage + kSOff, smap, ks * kStageChunks * kScaleChunkBytes / 8, c1, e, bar);
     }
 
     // Publishes the gathered stages [pub, st) once all of this thread's copies have landed.
@@ -472,7 +483,7 @@ struct Gemm90 {
         const int g = lane / 4, t = lane % 4;
         // Row g of chunk t at slot (g + 2t) % 8 of its group of 8 (layouts.split_slot).
         const int a_off =
-            kAOff + (group * 4 + warp) * kMTileBytes + (kGated ? t * 128 : t * 256) + ((g + 2 * t) % 8) * 16;
+            kAOff + (group * 4 + warp) * kMatTileBytes + t * kUnitBytes + ((g + 2 * t) % 8) * 16;
         const int s_off = kSOff + (group * 4 + warp) * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
         float acc[kMT][kAcc];
         int st = 0, ep = 0;  // stages consumed; output chunks staged (the buffer parity)
@@ -494,6 +505,37 @@ struct Gemm90 {
         }
     }
 
+    // The A fragments of steps 2q, 2q + 1 of one m-tile from its words of chunk t (rows g and
+    // g + 8, or gate and up): decode, exact 16-bit block-scale multiply. Scale bytes: NVFP4
+    // {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
+    __device__ __forceinline__ void decode(uint32_t w0, uint32_t w1, uint32_t sv, int q, uint32_t (&a_lo)[4],
+                                           uint32_t (&a_hi)[4]) const {
+        const int b0 = kScaleBytes == 4 ? q / 2 : 0;
+        const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
+        const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
+        uint32_t h0[4], h1[4];
+        Dec::run(w0, h0);
+        Dec::run(w1, h1);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+            h0[v] = mul2(h0[v], s0, T());
+            h1[v] = mul2(h1[v], s1, T());
+        }
+        a_lo[0] = h0[0]; a_lo[1] = h1[0]; a_lo[2] = h0[1]; a_lo[3] = h1[1];  // codes 8q + 0..3
+        a_hi[0] = h0[2]; a_hi[1] = h1[2]; a_hi[2] = h0[3]; a_hi[3] = h1[3];  // codes 8q + 4..7
+    }
+
+    // Steps 2q, 2q + 1 of one m-tile against the stage's B (half q / 2, 32-byte offsets 2 (q % 2)
+    // and 2 (q % 2) + 1); the first step of an item overwrites the accumulators.
+    template <int kW>
+    __device__ __forceinline__ void issue(float (&acc)[kAcc], const uint32_t (&a_lo)[4], const uint32_t (&a_hi)[4],
+                                          uint32_t b, int q, int ks) const {
+        const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
+        auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc);
+        wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
+        wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
+    }
+
     // The K loop of one item at wgmma width kW (<= kBN) on the first kW / 2 accumulators of each
     // m-tile (the others belong to rows past the tile, which the epilogue never stores). The slot
     // whose last wgmma group may still read it is released once the next stage's first wait shows
@@ -512,45 +554,37 @@ struct Gemm90 {
             uint32_t w0[kMT][4], w1[kMT][4], sv[kMT];
 #pragma unroll
             for (int u = 0; u < kMT; ++u) {
-                const uint8_t* const a = stage + a_off + u * 8 * kMTileBytes;
+                const uint8_t* const a = stage + a_off + u * 8 * kMatTileBytes;
                 const uint8_t* const s = stage + s_off + u * 8 * kScaleTileBytes;
+                // FC1: the up m-tile of the same columns; FC2: rows g + 8 of the chunk.
                 const uint4 wv0 = live ? lds128(a) : zero;
-                const uint4 wv1 = live ? lds128(a + (kGated ? 512 : 128)) : zero;
+                const uint4 wv1 = live ? lds128(a + (kGated ? kBMT * kMatTileBytes : 128)) : zero;
                 sv[u] = !live ? 0u : kScaleBytes == 4 ? lds32(s) : lds16(s);
                 w0[u][0] = wv0.x; w0[u][1] = wv0.y; w0[u][2] = wv0.z; w0[u][3] = wv0.w;
                 w1[u][0] = wv1.x; w1[u][1] = wv1.y; w1[u][2] = wv1.z; w1[u][3] = wv1.w;
             }
             const uint32_t b = smem_u32(stage);
+            // kBatch (m-tile, step pair) fragments per commit group, in the order q major, u
+            // minor, which keeps each accumulator's k order (bitwise the same for any kBatch).
 #pragma unroll
-            for (int q = 0; q < 4; ++q) {
+            for (int i0 = 0; i0 < 4 * kMT; i0 += kBatch) {
+                uint32_t a_lo[kBatch][4], a_hi[kBatch][4];
 #pragma unroll
-                for (int u = 0; u < kMT; ++u) {
-                    // Scale bytes: NVFP4 {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
-                    const int b0 = kScaleBytes == 4 ? q / 2 : 0;
-                    const uint32_t s0 = table[prmt(sv[u], 0u, 0x4440u + b0)];
-                    const uint32_t s1 = table[prmt(sv[u], 0u, 0x4440u + b0 + kScaleBytes / 2)];
-                    uint32_t h0[4], h1[4];
-                    Dec::run(w0[u][q], h0);
-                    Dec::run(w1[u][q], h1);
-#pragma unroll
-                    for (int v = 0; v < 4; ++v) {
-                        h0[v] = mul2(h0[v], s0, T());
-                        h1[v] = mul2(h1[v], s1, T());
-                    }
-                    const uint32_t a_lo[4] = {h0[0], h1[0], h0[1], h1[1]};  // codes 8q + 0..3
-                    const uint32_t a_hi[4] = {h0[2], h1[2], h0[3], h1[3]};  // codes 8q + 4..7
-                    wgmma_fence();
-                    // Steps 2q, 2q + 1: half q / 2, 32-byte offsets 2 (q % 2) and 2 (q % 2) + 1.
-                    const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
-                    auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc[u]);
-                    wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
-                    wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
-                    // One group per m-tile and step pair: the previous group done, its A
-                    // registers may be rewritten (two groups' fragments live, not 2 kMT).
-                    wgmma_commit();
-                    wgmma_wait<1>();
-                    if (q == 0 && u == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
+                for (int j = 0; j < kBatch; ++j) {
+                    const int q = (i0 + j) / kMT, u = (i0 + j) % kMT;
+                    decode(w0[u][q], w1[u][q], sv[u], q, a_lo[j], a_hi[j]);
                 }
+                wgmma_fence();
+#pragma unroll
+                for (int j = 0; j < kBatch; ++j) {
+                    const int q = (i0 + j) / kMT, u = (i0 + j) % kMT;
+                    issue<kW>(acc[u], a_lo[j], a_hi[j], b, q, ks);
+                }
+                // The previous group done: its A registers may be rewritten (two groups'
+                // fragments live), and at the stage's first group the previous slot is free.
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (i0 == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
             }
             reading = slot;
         }
@@ -649,7 +683,8 @@ struct Gemm90 {
 };
 
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
-__device__ __forceinline__ void gemm90_body(const Params& p) {
+__device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* map0, const TensorMap* map1,
+                                            const TensorMap* smap) {
     using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages>;
     extern __shared__ __align__(16) uint8_t dyn_raw[];
     __shared__ uint32_t table[256];
@@ -676,7 +711,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
     scan_row_tiles<kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
-    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, 0, 0, 0, 0};
+    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, map0, map1, smap, 0, 0, 0, 0};
     gemm.tiles = (p.n + G::kRowsPerTile - 1) / G::kRowsPerTile;
     gemm.col_blocks = (gemm.tiles + kBMT - 1) / kBMT;
     gemm.ksteps = (p.chunks + kStageChunks - 1) / kStageChunks;
@@ -691,23 +726,27 @@ __device__ __forceinline__ void gemm90_body(const Params& p) {
 }  // namespace
 
 // FC2: persistent grid (at most one block per SM), 384 threads; dynamic shared memory = kStages
-// stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py computes it). Arguments as gemm_fp4.cu's gemm_fc2.
+// stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py computes it).
+// Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
+// (experts/gemm.py stage_maps: the same bytes as w and scales).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
                const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
                const float* __restrict__ bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
-               int k, int chunks, int scale_shift, int permuted_h) {
+               int k, int chunks, int scale_shift, int permuted_h, const __grid_constant__ TensorMap w_map,
+               const __grid_constant__ TensorMap s_map) {
     const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
                    scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
-    gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p);
+    gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p, &w_map, nullptr, &s_map);
 }
 
 // Non-gated FC1 (relu, gelu, silu, identity): FC2's kernel with FC1's row gather and wait, and
-// the activation in the epilogue. Arguments as gemm_fp4.cu's gemm_fc1_single.
+// the activation in the epilogue. Arguments as gemm_fp4.cu's gemm_fc1_single, then permuted_h,
+// permuted_x and the tensor maps of w and scales.
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc1_single(const T* __restrict__ x, const int* __restrict__ row_source,
@@ -715,16 +754,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const float* __restrict__ global_scale, const float* __restrict__ bias,
                       const int* __restrict__ expert_offsets, const int* __restrict__ active,
                       T* __restrict__ out, int n_experts, int slots, int n, int k, int chunks,
-                      int top_k, int scale_shift, int permuted_h, int permuted_x) {
+                      int top_k, int scale_shift, int permuted_h, int permuted_x,
+                      const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap s_map) {
     static_assert(kAct >= 4 && kAct <= 7, "kAct: 4 relu, 5 gelu, 6 silu, 7 identity");
     const Params p{x,      row_source, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, top_k,
                    scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h, permuted_x};
-    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p, &w_map, nullptr, &s_map);
 }
 
-// FC1 with a gated activation: as FC2; arguments as gemm_fp4.cu's gemm_fc1.
+// FC1 with a gated activation: as FC2; arguments as gemm_fp4.cu's gemm_fc1, then permuted_h,
+// permuted_x and the tensor maps of gate, up and scales.
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
@@ -734,13 +775,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                const float* __restrict__ up_bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
                int k, int chunks, int top_k, int scale_shift, float alpha, float beta,
-               float limit, int permuted_h, int permuted_x) {
+               float limit, int permuted_h, int permuted_x, const __grid_constant__ TensorMap gate_map,
+               const __grid_constant__ TensorMap up_map, const __grid_constant__ TensorMap s_map) {
     static_assert(kAct >= 1 && kAct <= 3, "kAct: 1 swiglu, 2 geglu, 3 swiglu_oai");
     const Params p{x,         row_source, gate,    up,        scales,         gate_global,
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
                    scale_shift, {alpha, beta, limit}, permuted_h, permuted_x};
-    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p);
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p, &gate_map, &up_map, &s_map);
 }
 
 // x into the split k order of the wgmma B layout (split_position) for an FC1 with permuted_x:

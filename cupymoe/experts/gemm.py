@@ -11,7 +11,7 @@ capturable in a CUDA graph (no host read, no allocation with ``out``).
 
 Two kernels: on sm_90 (H100, H200) ``cuda/gemm_sm90.cu``, warp-specialised ``wgmma`` with the
 decoded weights in registers (:class:`WgmmaConfig`, compiled for ``sm_90a``); elsewhere
-``cuda/gemm_fp4.cu``, ``mma.sync`` (:class:`GemmConfig`). A block tile is 128 (wgmma) or
+``cuda/gemm_fp4.cu``, ``mma.sync`` (:class:`GemmConfig`). A block tile is 256 (wgmma) or
 ``16 * m_tiles`` weight rows x ``bn`` expanded rows of one expert; the tiling is chosen on the
 host from the average rows per active expert (``for_rows``), which the host knows without
 reading the routing. ``CUPYMOE_WGMMA=0`` keeps the mma.sync kernel on sm_90.
@@ -29,6 +29,7 @@ from .._runtime.backend import require_cupy
 from .._runtime.compile import CTYPE, KernelSpec, get_kernel
 from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
+from .._runtime.tensormap import UINT64, TensorMap, tiled
 from .._runtime.validate import ACTIVATION_DTYPES, check_activations, device_output
 from ..formats import Fp4Format
 from ..routing import Routing
@@ -42,6 +43,7 @@ __all__ = [
     "TILING_FOR_ROWS_PER_EXPERT",
     "WGMMA_TILINGS",
     "WGMMA_MIN_ROWS_PER_EXPERT",
+    "WGMMA_NARROW_MAX_ROWS_PER_EXPERT",
     "GemmConfig",
     "WgmmaConfig",
     "default_config",
@@ -50,6 +52,7 @@ __all__ = [
     "gemm_fc1_single",
     "gemm_fc2",
     "kernel_specs",
+    "map_geometry",
     "permute_split",
     "row_tiles",
     "schedule_ref",
@@ -174,18 +177,28 @@ TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], 
 ENV_WGMMA = "CUPYMOE_WGMMA"
 
 #: (bn, stages) of the sm_90a wgmma kernel: 384 threads (a producer and two consumer warp groups),
-#: 256 weight rows x 128 expanded rows per block tile, one block per SM. A tile with fewer rows
-#: runs its wgmma at N = 32 or 64 (the kernel picks per item); bn 32 and 64 tilings (6 stages)
-#: were slower at every shape measured (below) and are not compiled.
-WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((128, 4),)
+#: 256 weight rows x bn expanded rows per block tile, one block per SM. A tile with fewer rows
+#: runs its wgmma at N = 32 or 64 (the kernel picks per item). bn 64 decodes two fragments per
+#: wgmma group (``Gemm90::kBatch``), which bn 128's accumulators leave no registers for.
+#: Whole layers on the H200 (session 19, µs per layer, bn 64 x 5 | 128 x 4, the wgmma kernel
+#: forced from 4 rows per expert): Qwen3.6 M = 256 / 512 / 1,024 / 2,048 (8 / 16 / 32 / 64 rows
+#: per expert) 232.5 | 253.2, 227.0 | 253.0, 269.9 | 292.3, 404.6 | 394.2; gpt-oss M = 64 / 128 /
+#: 256 / 512 (the same rows) 197.7 | 219.0, 203.8 | 228.2, 244.6 | 264.2, 366.7 | 358.3. bn 64 x 6
+#: was within 2 % of x 5; bn 32 x 8 does not fit the block's shared memory.
+WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((64, 5), (128, 4))
+
+#: Average rows per active expert up to which the wgmma kernel takes its bn 64 tiling (above it
+#: bn 128): the measurements of :data:`WGMMA_TILINGS`.
+WGMMA_NARROW_MAX_ROWS_PER_EXPERT = 32
 
 #: Average rows per active expert above which sm_90 runs the wgmma kernel instead of the
-#: mma.sync table: where all four measured ops (Qwen3.6 and gpt-oss FC1 and FC2,
-#: :data:`.handover.HAND_OVERS`) hand over. Measured on the H200 with 256 weight rows per tile
-#: (``cupymoe tune --kernel gemm``, µs per call, best mma.sync | wgmma): at 32 rows per expert
-#: mma.sync wins by 4-36 % (gpt-oss FC1 220.7 | 300.0, FC2 123.8 | 130.6), at 64 wgmma by
-#: 10-29 % (gpt-oss FC1 371.0 | 335.6, FC2 202.4 | 157.4; Qwen3.6 FC1 395.0 | 327.5).
-WGMMA_MIN_ROWS_PER_EXPERT = 32
+#: mma.sync table (:data:`.handover.HAND_OVERS` per shape). Measured on the H200 in session 19
+#: (``cupymoe tune --kernel gemm`` for gpt-oss, µs per call, best mma.sync | wgmma bn 128; the
+#: bn 64 tiling 6-12 % below bn 128 at these rows, above): at 8 rows per expert FC1 126.7 |
+#: 159.9 (bn 64 in the layer 127.4), FC2 73.7 | 77.2 (bn 64 59.3); at 16 FC1 161.3 | 166.7 (bn 64
+#: 129.6), FC2 83.2 | 80.0 (bn 64 60.6); Qwen3.6 at 16 rows mma.sync FC1 157.7, FC2 98.7 (session
+#: 17) against bn 64's 132.0 and 74.7. Up to 8 rows per expert the GEMV serves these shapes.
+WGMMA_MIN_ROWS_PER_EXPERT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,14 +291,16 @@ def default_config(
     *,
     wgmma_min: float = WGMMA_MIN_ROWS_PER_EXPERT,
 ) -> GemmConfig | WgmmaConfig:
-    """The analytic tiling of a call: the wgmma kernel (bn 128) where :func:`wgmma_enabled` and
-    the average rows per active expert exceed ``wgmma_min`` (the shape's threshold,
+    """The analytic tiling of a call: the wgmma kernel where :func:`wgmma_enabled` and the
+    average rows per active expert exceed ``wgmma_min`` (the shape's threshold,
     :func:`.handover.hand_over_for`; default :data:`WGMMA_MIN_ROWS_PER_EXPERT`) and its shared
-    memory fits the device's block (for ``min(rows, n_experts)`` slots), else
+    memory fits the device's block (for ``min(rows, n_experts)`` slots), bn 64 up to
+    :data:`WGMMA_NARROW_MAX_ROWS_PER_EXPERT` rows per expert, else bn 128; else
     :meth:`GemmConfig.for_rows` within the current device's shared memory."""
     slots = max(1, min(rows, n_experts))
     if rows / slots > wgmma_min and wgmma_enabled():
-        wgmma = WgmmaConfig(*WGMMA_TILINGS[-1])
+        narrow = rows / slots <= WGMMA_NARROW_MAX_ROWS_PER_EXPERT
+        wgmma = WgmmaConfig(*WGMMA_TILINGS[0 if narrow else -1])
         # a layer of thousands of experts: the row-tile table leaves the block no room
         if wgmma.shared_bytes(fmt_code, slots) + wgmma.static_bytes <= max_shared_per_block():
             return wgmma
@@ -382,6 +397,51 @@ def _permuted_args(
     return (np.int32(permuted_h), np.int32(permuted_x))
 
 
+def map_geometry(
+    n_experts: int, tiles: int, chunks: int, unit_bytes: int
+) -> tuple[tuple[int, int, int], tuple[int, int], tuple[int, int, int]]:
+    """(dims, byte strides, box) of the wgmma kernel's 3-D tensor map over a split-layout array
+    ``[E, tiles, chunks, unit_bytes]`` (weights: ``unit_bytes`` = rows per m-tile x 16; scale
+    tiles: 32 NVFP4, 16 MXFP4) as 8-byte elements, innermost first: a tile's chunks, the
+    m-tiles, the experts. The box is one pipeline stage of one block tile: 4 chunks of
+    :attr:`WgmmaConfig.m_tiles` m-tiles of one expert (gemm_sm90.cu ``load_weights``)."""
+    row = chunks * unit_bytes
+    return (
+        (row // 8, tiles, n_experts),
+        (row, tiles * row),
+        (4 * unit_bytes // 8, WgmmaConfig.m_tiles, 1),
+    )
+
+
+def _maps(
+    cfg: GemmConfig | WgmmaConfig,
+    mats: tuple[Any, ...],
+    scales: Any,
+    n_experts: int,
+    n: int,
+    k: int,
+    rows_per_tile: int,
+    fmt_code: int,
+) -> tuple[TensorMap, ...]:
+    """The wgmma kernels' tensor maps of each weight matrix and of the scale tiles (the same
+    resident bytes the GEMV reads); the mma.sync kernels take none."""
+    if not isinstance(cfg, WgmmaConfig):
+        return ()
+    tiles, chunks = _ceil_div(n, rows_per_tile), chunk_count(k)
+    out = []
+    for a, unit in [(m, rows_per_tile * 16) for m in mats] + [
+        (scales, _SCALE_TILE_BYTES[fmt_code] // 4)
+    ]:
+        dims, strides, box = map_geometry(n_experts, tiles, chunks, unit)
+        if a.nbytes < n_experts * strides[1]:
+            raise ValueError(
+                f"weights: {a.nbytes} bytes, fewer than the {n_experts * strides[1]} of "
+                f"{n_experts} experts x {tiles} m-tiles x {chunks} chunks x {unit} bytes"
+            )
+        out.append(tiled(int(a.data.ptr), UINT64, dims, strides, box))
+    return tuple(out)
+
+
 def _permute_spec(dtype: Any) -> KernelSpec:
     """The specialisation :func:`permute_split` launches for ``dtype`` (sm_90a)."""
     return KernelSpec("gemm_sm90", "permute_split", (CTYPE[np.dtype(dtype)],), target="sm_90a")
@@ -476,6 +536,16 @@ def gemm_fc1(
             np.float32(act.beta),
             np.float32(act.limit),
             *_permuted_args(cfg, permuted_h, permuted_x),
+            *_maps(
+                cfg,
+                (weights.kernel_gate, weights.kernel_up),
+                weights.kernel_scales,
+                g.n_experts,
+                g.n,
+                g.k,
+                8,
+                g.format.code,
+            ),
         ),
         shared_mem=smem,
         pdl=pdl,
@@ -579,6 +649,16 @@ def _gemm_single(
             *tail,
             np.int32(shift),
             *_permuted_args(cfg, permuted_h, None if act is None else permuted_x),
+            *_maps(
+                cfg,
+                (weights.kernel_packed,),
+                weights.kernel_scales,
+                w.n_experts,
+                w.n,
+                w.k,
+                16,
+                w.format.code,
+            ),
         ),
         shared_mem=smem,
         pdl=pdl,

@@ -111,26 +111,29 @@ DEFAULT_HAND_OVER = HandOver(GEMV_MAX_ROWS_PER_EXPERT, WGMMA_MIN_ROWS_PER_EXPERT
 #: more than 2 % (closer results flip between runs).
 #: Measured with ``cupymoe tune --kernel gemm --rows-per-expert 2,4,...,256 --repeats 5``
 #: (scripts/tune_gemm_check.sh): ``gemv_max`` in session 14 (µs per call at 8 / 16 rows per
-#: expert, GEMV | best mma.sync), ``wgmma_min`` in session 17 with the wgmma kernel of 256 weight
-#: rows per tile (µs at 16 / 32 / 64 / 128 / 256 rows per expert, best mma.sync | wgmma;
-#: benchmarks/h200_handover_s17.json). The winner's side of each threshold is in the comment.
-#: DeepSeek-V3 is not measured per op: the defaults, whose ``wgmma_min`` moved from 64 to 32 with
-#: the four measured ops (its own hand-over is still to be timed).
+#: expert, GEMV | best mma.sync), ``wgmma_min`` in session 19 with the wgmma kernel's TMA weight
+#: boxes and its bn 64 tiling (µs at 8 / 16 / 32 rows per expert, GEMV | best mma.sync | wgmma
+#: bn 64; gpt-oss from ``cupymoe tune``, Qwen3.6's mma.sync from session 17's, the wgmma and GEMV
+#: columns per-stage graphs of whole layers, benchmarks/h200_wgmma_variants.json run
+#: ``run_s19_tilings``): from 16 rows per expert wgmma wins every op by 16-37 %, at 8 the GEMV
+#: (or a tie; gpt-oss FC2 wgmma), so ``wgmma_min`` = ``gemv_max`` and mma.sync serves none of
+#: these shapes on the H200. DeepSeek-V3 is not measured per op: the defaults, which follow the
+#: four measured ops.
 HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     # Qwen3.6-35B-A3B (H 2048, I 512, E 256, top-8), NVFP4.
-    # fc1: 8 rows GEMV 122.0 | mma 127.5; 16: 201.2 | 158.8. 32: mma 230.9 | wgmma 287.4;
-    # 64: 395.0 | 327.5; 128: 692.9 | 536.9; 256: 1,378.7 | 918.4.
-    (("fc1", 512, 2048, 256), HandOver(8, 32)),
-    # fc2: 8 rows GEMV 69.9 | mma 78.0; 16: 112.4 | 99.9. 32: mma 144.6 | wgmma 150.1;
-    # 64: 240.2 | 186.9; 128: 429.6 | 296.9.
-    (("fc2", 2048, 512, 256), HandOver(8, 32)),
+    # fc1: 8 rows GEMV 121.2 | mma 127.5 | wgmma 128.0; 16: 201.2 | 157.7 | 132.0;
+    # 32: 347.9 | 230.9 | 159.4.
+    (("fc1", 512, 2048, 256), HandOver(8, 8)),
+    # fc2: 8 rows GEMV 72.2 | mma 78.0 | wgmma 73.0; 16: 112.4 | 98.7 | 74.7;
+    # 32: 189.2 | 144.6 | 85.5.
+    (("fc2", 2048, 512, 256), HandOver(8, 8)),
     # gpt-oss-20b (H 2880, I 2880, E 32, top-4), MXFP4.
-    # fc1: 8 rows GEMV 125.5 | mma 128.3; 16: 204.2 | 163.9. 32: mma 220.7 | wgmma 300.0;
-    # 64: 371.0 | 335.6; 128: 632.9 | 506.1; 256: 1,266.7 | 900.0.
-    (("fc1", 2880, 2880, 32), HandOver(8, 32)),
-    # fc2: 8 rows GEMV 65.7 | mma 73.7; 16: 102.2 | 83.4. 32: mma 123.8 | wgmma 130.6;
-    # 64: 202.4 | 157.4; 128: 337.8 | 271.7; 256: 621.8 | 451.4.
-    (("fc2", 2880, 2880, 32), HandOver(8, 32)),
+    # fc1: 8 rows GEMV 123.8 | mma 126.7 | wgmma 127.4; 16: 188.0 | 161.3 | 129.6;
+    # 32: 340.4 | 213.6 | 157.0.
+    (("fc1", 2880, 2880, 32), HandOver(8, 8)),
+    # fc2: 8 rows GEMV 65.1 | mma 73.7 | wgmma 59.3; 16: 103.7 | 83.2 | 60.6;
+    # 32: 178.2 | 126.2 | 69.5 (wgmma ahead from 8 rows: both thresholds at the bucket below).
+    (("fc2", 2880, 2880, 32), HandOver(4, 4)),
     # DeepSeek-V3 routed experts (H 7168, I 2048, E 256, top-8), NVFP4: the defaults.
     (("fc1", 2048, 7168, 256), DEFAULT_HAND_OVER),
     (("fc2", 7168, 2048, 256), DEFAULT_HAND_OVER),
