@@ -21,7 +21,15 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["TensorMap", "check_geometry", "tiled", "ELEMENT_BYTES"]
+__all__ = [
+    "ELEMENT_BYTES",
+    "L2_PROMOTION_256B",
+    "UINT8",
+    "UINT64",
+    "TensorMap",
+    "check_geometry",
+    "tiled",
+]
 
 #: CUtensorMapDataType values used here and their element sizes.
 UINT8, UINT64 = 0, 4

@@ -17,9 +17,9 @@
 // a stage as one TMA box per matrix (3-D tensor maps over [expert, m-tile, bytes of the tile's
 // chunks], completing on the stage's "full" mbarrier with their byte count; out-of-range m-tiles
 // and chunks are zero-filled), and all 128 threads gather the activation rows of the item's
-// wgmma width through the expert map with 16-byte cp.async into the stage itself. The tensor
-// maps replaced one 1-D bulk copy per m-tile and matrix (32-48 per stage), which the copy
-// engine's per-request cost made the producer's bound at few rows per item.
+// wgmma width through the expert map with 16-byte cp.async into the stage itself. One box per
+// matrix rather than one copy per m-tile: the copy engine's cost is per request, and 32-48
+// requests per stage bound the producer at few rows per item (docs/kernels.md, seventh round).
 // Groups 1 and 2 are the consumers: warp w of group c owns m-tiles 4c + w and 8 + 4c + w, i.e.
 // the 16 rows that each of two wgmma m64nNk16 give that warp. Per stage a lane reads its 2 x 16
 // bytes of weight rows g, g + 8 of chunk t per m-tile (the split layout's rotated slots,
@@ -728,7 +728,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 // FC2: persistent grid (at most one block per SM), 384 threads; dynamic shared memory = kStages
 // stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
-// (experts/gemm.py stage_maps: the same bytes as w and scales).
+// (experts/gemm.py _maps: over the same bytes as w and scales).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,

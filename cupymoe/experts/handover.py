@@ -113,12 +113,13 @@ DEFAULT_HAND_OVER = HandOver(GEMV_MAX_ROWS_PER_EXPERT, WGMMA_MIN_ROWS_PER_EXPERT
 #: (scripts/tune_gemm_check.sh): ``gemv_max`` in session 14 (µs per call at 8 / 16 rows per
 #: expert, GEMV | best mma.sync), ``wgmma_min`` in session 19 with the wgmma kernel's TMA weight
 #: boxes and its bn 64 tiling (µs at 8 / 16 / 32 rows per expert, GEMV | best mma.sync | wgmma
-#: bn 64; gpt-oss from ``cupymoe tune``, Qwen3.6's mma.sync from session 17's, the wgmma and GEMV
-#: columns per-stage graphs of whole layers, benchmarks/h200_wgmma_variants.json run
-#: ``run_s19_tilings``): from 16 rows per expert wgmma wins every op by 16-37 %, at 8 the GEMV
-#: (or a tie; gpt-oss FC2 wgmma), so ``wgmma_min`` = ``gemv_max`` and mma.sync serves none of
-#: these shapes on the H200. DeepSeek-V3 is not measured per op: the defaults, which follow the
-#: four measured ops.
+#: bn 64: gpt-oss's GEMV and mma.sync from ``cupymoe tune``, benchmarks/h200_handover_s19.json,
+#: Qwen3.6's from session 17's; the wgmma column, and Qwen3.6's GEMV at 8 rows, per-stage graphs
+#: of whole layers, benchmarks/h200_wgmma_variants.json run ``run_s19_tilings``). From 16 rows
+#: per expert wgmma beats mma.sync on every op (by 16-27 %, 26-45 % at 32), at 8 it ties the GEMV
+#: (gpt-oss FC2: wgmma wins), so ``wgmma_min`` = ``gemv_max`` and mma.sync serves none of these
+#: shapes on the H200. DeepSeek-V3 is not measured per op: the defaults, which follow the four
+#: measured ops.
 HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     # Qwen3.6-35B-A3B (H 2048, I 512, E 256, top-8), NVFP4.
     # fc1: 8 rows GEMV 121.2 | mma 127.5 | wgmma 128.0; 16: 201.2 | 157.7 | 132.0;
