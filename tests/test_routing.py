@@ -23,6 +23,7 @@ from cupymoe.routing import (
     route_ref,
     sigmoid_f32,
 )
+from cupymoe.routing.maps import GPU_MAX_EXPERTS, single_block_warps
 from cupymoe.testing import assert_close, assert_equal
 
 BF16 = ml_dtypes.bfloat16
@@ -377,6 +378,18 @@ def test_route_unaligned_rows(
         _check_routing(route_ref(np.ascontiguousarray(x[:, 1 : e + 1]), router), route(xd, router))
 
 
+def test_single_block_warps() -> None:
+    """One warp per 32 rows up to 32, within the 48 KB of per-warp counters at every expert
+    count the GPU maps take."""
+    rows = (1, 32, 33, 65, 1024, 1025, 10**6)
+    assert [single_block_warps(n, 256) for n in rows] == [1, 1, 2, 3, 32, 32, 32]
+    for e in range(1, GPU_MAX_EXPERTS + 1):
+        w = single_block_warps(10**6, e)
+        assert 1 <= w <= 32 and 4 * (w + 1) * (e + 1) <= 48 * 1024
+        assert w == 32 or 4 * (w + 2) * (e + 1) > 48 * 1024  # as many as fit
+    assert single_block_warps(10**6, 2048) == 4
+
+
 def test_fused_cluster_size() -> None:
     # One routing warp per scheduler (4 per block) from M = 5 on, at most 8 blocks; one block
     # without clusters or while one block has a scheduler per token.
@@ -442,18 +455,63 @@ def test_route_cuda_graph(m: int, e: int, k: int, rng: np.random.Generator) -> N
     _check_routing(route_ref(x2, router), out)
 
 
+# The one-block maps at 1, 3 and 32 warps (n / 32 rows each, the last warp's segment partial)
+# and at the 4 warps that 2,048 experts leave room for; the tiled sort above the block's rows.
+MAPS_SHAPES = [
+    (1, 1, 1),
+    (3, 5, 7),
+    (64, 8, 256),
+    (65, 1, 256),
+    (97, 1, 256),
+    (256, 8, 256),
+    (257, 8, 128),
+    (1024, 1, 2048),
+    (700, 4, 1024),
+    (3000, 8, 256),
+    (2100, 1, 64),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("m", "k", "e"),
-    [(1, 1, 1), (3, 5, 7), (64, 8, 256), (700, 4, 1024), (3000, 8, 256), (2100, 1, 64)],
-)
+@pytest.mark.parametrize(("m", "k", "e"), MAPS_SHAPES)
 def test_expert_maps_matches_reference(m: int, k: int, e: int, rng: np.random.Generator) -> None:
     ids = rng.integers(0, e, size=(m, k)).astype(np.int32)  # duplicates within tokens allowed
-    got = expert_maps(_device(ids), e)
+    if m * k > 3:  # a few experts hold most rows, as a skewed router gives
+        ids[: m // 2] = rng.integers(0, min(e, 3), size=(m // 2, k))
+    cupy = pytest.importorskip("cupy")
+    n = m * k
+    out = Routing(None, None, *(cupy.full(s, -7, np.int32) for s in (e + 1, n, n, min(n, e))))
+    got = expert_maps(_device(ids), e, out=out)
     for name, r, o in zip(
         ("offsets", "sorted_rows", "inverse", "active"), expert_maps_ref(ids, e), got, strict=True
     ):
         assert_equal(r, o, name=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("m", "k", "e"), [(5, 1, 8), (300, 8, 256), (1500, 8, 256)])
+def test_expert_maps_place_invalid_ids_last(
+    m: int, k: int, e: int, rng: np.random.Generator
+) -> None:
+    """Ids outside [0, E) (a corrupt router) are placed after every expert, in row order, and
+    never counted in the offsets or the active list."""
+    ids = rng.integers(0, e, size=(m, k)).astype(np.int32)
+    bad = rng.random(ids.shape) < 0.1
+    ids[bad] = rng.choice(np.array([-1, e, e + 5, -(2**31)], np.int32), size=int(bad.sum()))
+    offsets, rows, inverse, active = (a.get() for a in expert_maps(_device(ids), e))
+    valid = ~bad.reshape(-1)
+    counts = np.bincount(ids.reshape(-1)[valid], minlength=e)
+    assert_equal(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), offsets, name="offsets")
+    assert_equal(
+        np.flatnonzero(counts).astype(np.int32), active[: np.count_nonzero(counts)], name="active"
+    )
+    assert np.all(active[np.count_nonzero(counts) :] == -1)
+    assert_equal(np.flatnonzero(~valid).astype(np.int32), rows[offsets[e] :], name="invalid rows")
+    assert_equal(np.arange(m * k, dtype=np.int32), rows[inverse], name="inverse")
+    valid_rows = rows[: offsets[e]]  # each expert's rows in row order
+    assert np.all(ids.reshape(-1)[valid_rows] == np.repeat(np.arange(e), counts))
+    for lo, hi in zip(offsets[:-1], offsets[1:], strict=True):
+        assert np.all(np.diff(rows[lo:hi]) > 0)
 
 
 @pytest.mark.gpu

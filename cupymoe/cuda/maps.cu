@@ -3,13 +3,14 @@
 // counting sort in four launches above.
 #include "maps.cuh"
 
-// Expert maps, one block (decode sizes and the fallback): see rt::build_maps_block.
-__global__ void __launch_bounds__(256) maps_single(const int* __restrict__ ids, int n, int E,
+// Expert maps in one block of W warps (up to 32; routing/maps.py picks W): see
+// rt::build_maps_block.
+__global__ void __launch_bounds__(1024) maps_single(const int* __restrict__ ids, int n, int E,
                                                    int* __restrict__ offsets,
                                                    int* __restrict__ sorted_rows,
                                                    int* __restrict__ inverse,
                                                    int* __restrict__ active, int active_len) {
-    extern __shared__ int cnt[];  // [E + 1]
+    extern __shared__ int cnt[];  // [(W + 1) * (E + 1)]
     __shared__ long long wsum[32];
     rt::build_maps_block(ids, n, E, offsets, sorted_rows, inverse, active, active_len, cnt, wsum);
 }

@@ -33,48 +33,67 @@ __device__ __forceinline__ long long block_scan(long long v, long long* wsum, lo
 __device__ __forceinline__ int sanitize_expert(int e, int E) { return (e >= 0 && e < E) ? e : E; }
 
 // ids [n] (global or shared) -> offsets [E+1], sorted_rows [n], inverse [n], active [active_len].
-// Warp 0 ranks the rows in chunks of 32 with match.any + popc (stable: row order); ids outside
-// [0, E) go to a bucket after the last expert. cnt: shared [E+1]; wsum: shared [32].
+// Warp w of the block's W ranks rows [w * seg, (w + 1) * seg) (seg: n / W rounded up to 32) in
+// chunks of 32 with match.any + popc into its own counters; a column scan over the warps makes
+// each warp's counter its first rank within the expert, and the ranks stay stable (warps in row
+// order, lanes in row order within a chunk). One warp ranking every row is a dependent chain of
+// n / 32 match.any rounds: at 2,048 rows it took 15.7-19.6 us (E 32-256) where 32 warps take
+// 7.3-8.9 (H200, docs/measurements.md, session 20). Ids outside [0, E) go to a bucket after the
+// last expert. cnt: shared [(W + 1) * (E + 1)] (the warps'
+// counters, then the totals); wsum: shared [32].
 __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__ offsets,
                                  int* __restrict__ sorted_rows, int* __restrict__ inverse,
                                  int* __restrict__ active, int active_len, int* cnt,
                                  long long* wsum) {
-    const int tid = threadIdx.x, lane = tid & 31;
-    for (int e = tid; e <= E; e += blockDim.x) cnt[e] = 0;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int W = blockDim.x >> 5, L = E + 1;
+    int* const totals = cnt + W * L;
+    for (int i = tid; i < (W + 1) * L; i += blockDim.x) cnt[i] = 0;
     __syncthreads();
-    if (tid < 32) {
-        const unsigned lower = (1u << lane) - 1u;
-        for (int base = 0; base < n; base += 32) {
-            const int i = base + lane;
-            const int e = i < n ? sanitize_expert(ids[i], E) : -1;
-            const unsigned peers = __match_any_sync(kFull, e);
-            const int rank = (i < n) ? cnt[e] + __popc(peers & lower) : 0;
-            __syncwarp();
-            if (i < n && (peers & lower) == 0u) cnt[e] += __popc(peers);
-            __syncwarp();
-            if (i < n) inverse[i] = rank;
+    const int seg = (n + 32 * W - 1) / (32 * W) * 32;
+    const unsigned lower = (1u << lane) - 1u;
+    int* const mine = cnt + warp * L;
+    const int last = min(n, (warp + 1) * seg);
+    for (int base = warp * seg; base < last; base += 32) {
+        const int i = base + lane;
+        const int e = i < last ? sanitize_expert(ids[i], E) : -1;
+        const unsigned peers = __match_any_sync(kFull, e);
+        const int rank = i < last ? mine[e] + __popc(peers & lower) : 0;
+        __syncwarp();
+        if (i < last && (peers & lower) == 0u) mine[e] += __popc(peers);
+        __syncwarp();
+        if (i < last) inverse[i] = rank;
+    }
+    __syncthreads();
+    for (int e = tid; e < L; e += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = cnt[w * L + e];
+            cnt[w * L + e] = running;
+            running += c;
         }
+        totals[e] = running;
     }
     __syncthreads();
     // offsets and the active list: one scan over (count << 16 | active) per expert bucket.
-    const int L = E + 1;
     const int per = (L + blockDim.x - 1) / blockDim.x;
     const int b = min(tid * per, L), end = min(b + per, L);
     long long local = 0;
-    for (int e = b; e < end; ++e) local += ((long long)cnt[e] << 16) | (e < E && cnt[e] > 0);
+    for (int e = b; e < end; ++e) local += ((long long)totals[e] << 16) | (e < E && totals[e] > 0);
     long long total;
     long long excl = block_scan(local, wsum, total);
     for (int e = b; e < end; ++e) {
-        const int c = cnt[e];
+        const int c = totals[e];
         offsets[e] = (int)(excl >> 16);
-        cnt[e] = (int)(excl >> 16);
+        totals[e] = (int)(excl >> 16);
         if (e < E && c > 0) active[excl & 0xffff] = e;
         excl += ((long long)c << 16) | (e < E && c > 0);
     }
     for (int a = (int)(total & 0xffff) + tid; a < active_len; a += blockDim.x) active[a] = -1;
     __syncthreads();
     for (int i = tid; i < n; i += blockDim.x) {
-        const int row = cnt[sanitize_expert(ids[i], E)] + inverse[i];
+        const int e = sanitize_expert(ids[i], E);
+        const int row = totals[e] + cnt[(i / seg) * L + e] + inverse[i];
         inverse[i] = row;
         sorted_rows[row] = i;
     }

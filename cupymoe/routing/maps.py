@@ -18,11 +18,24 @@ from .._runtime.launch import launch
 from .._runtime.validate import check_device_array, check_int
 from .types import Routing
 
-__all__ = ["GPU_MAX_EXPERTS", "expert_maps", "kernel_specs", "maps_launch"]
+__all__ = ["GPU_MAX_EXPERTS", "expert_maps", "kernel_specs", "maps_launch", "single_block_warps"]
 
 #: The largest expert count of the GPU routing and maps.
 GPU_MAX_EXPERTS = 2048
+#: The one block up to 2,048 rows, the tiled sort above: H200, one graph node, µs at E = 32 /
+#: 128 / 256, block against tiled: 2,048 rows 7.3 / 8.6 / 8.9 against 9.2 / 9.7 / 9.3; 4,096 rows
+#: 10.2 / 12.7 / 13.2 against 9.3 / 9.9 / 9.7 (docs/measurements.md, session 20).
 _TILE_ROWS, _TILE_MAX_EXPERTS, _SINGLE_BLOCK_MAX_ROWS = 1024, 1024, 2048
+#: The one-block maps keep a row of E + 1 counters per warp in shared memory, within the static
+#: 48 KB, and use at most 32 warps (1,024 threads).
+_SINGLE_BLOCK_SMEM, _SINGLE_BLOCK_MAX_WARPS = 48 * 1024, 32
+
+
+def single_block_warps(n: int, e: int) -> int:
+    """Warps of the one-block maps of ``n`` rows and ``e`` experts: one per 32 rows, at most 32,
+    and as many as ``(W + 1) * (e + 1)`` counters allow in 48 KB (at least one)."""
+    fit = _SINGLE_BLOCK_SMEM // (4 * (e + 1)) - 1
+    return max(1, min(_SINGLE_BLOCK_MAX_WARPS, -(-n // 32), fit))
 
 
 def kernel_specs() -> list[KernelSpec]:
@@ -36,10 +49,11 @@ def maps_launch(ids: Any, n: int, e: int, out: Routing) -> None:
     n_tiles = -(-n // _TILE_ROWS)
     active_len = np.int32(min(n, e))
     if n <= _SINGLE_BLOCK_MAX_ROWS or e > _TILE_MAX_EXPERTS or (e + 1) * n_tiles > n:
+        warps = single_block_warps(n, e)
         launch(
             KernelSpec("maps", "maps_single"),
             1,
-            256,
+            32 * warps,
             (
                 ids,
                 np.int32(n),
@@ -50,7 +64,7 @@ def maps_launch(ids: Any, n: int, e: int, out: Routing) -> None:
                 out.active_experts,
                 active_len,
             ),
-            shared_mem=4 * (e + 1),
+            shared_mem=4 * (warps + 1) * (e + 1),
         )
         return
     tiles = out.sorted_rows  # (E + 1) * n_tiles counters, until maps_scatter overwrites them
