@@ -36,11 +36,10 @@ __device__ __forceinline__ int sanitize_expert(int e, int E) { return (e >= 0 &&
 // Warp w of the block's W ranks rows [w * seg, (w + 1) * seg) (seg: n / W rounded up to 32) in
 // chunks of 32 with match.any + popc into its own counters; a column scan over the warps makes
 // each warp's counter its first rank within the expert, and the ranks stay stable (warps in row
-// order, lanes in row order within a chunk). One warp ranking every row is a dependent chain of
-// n / 32 match.any rounds: at 2,048 rows it took 15.7-19.6 us (E 32-256) where 32 warps take
-// 7.3-8.9 (H200, docs/measurements.md, session 20). Ids outside [0, E) go to a bucket after the
-// last expert. cnt: shared [(W + 1) * (E + 1)] (the warps'
-// counters, then the totals); wsum: shared [32].
+// order, lanes in row order within a chunk). Several warps, because one warp ranking every row
+// is a dependent chain of n / 32 match.any rounds (timings: docs/measurements.md, session 20).
+// Ids outside [0, E) go to a bucket after the last expert. cnt: shared [(W + 1) * (E + 1)] (the
+// warps' counters, then the totals); wsum: shared [32].
 __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__ offsets,
                                  int* __restrict__ sorted_rows, int* __restrict__ inverse,
                                  int* __restrict__ active, int active_len, int* cnt,
