@@ -97,15 +97,22 @@ def test_wgmma_config_table() -> None:
         WgmmaConfig(48, 4)
     with pytest.raises(ValueError, match="not compiled"):
         WgmmaConfig(64, 6)
+    with pytest.raises(ValueError, match="not compiled"):
+        WgmmaConfig(64, 5, 2)
     with pytest.raises(TypeError, match="bn"):
         WgmmaConfig(True, 4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="groups"):
+        WgmmaConfig(64, 5, 4.0)  # type: ignore[arg-type]
+    assert WgmmaConfig(128, 4) == WgmmaConfig(128, 4, 2)  # two consumer groups unless named
     assert 4 <= WGMMA_MIN_ROWS_PER_EXPERT < 16  # between the measured ties and wins
-    assert [t[0] for t in WGMMA_TILINGS] == [64, 128]  # default_config: narrow first, widest last
+    # default_config: the narrow tiling first, the widest last
+    assert [t[0] for t in WGMMA_TILINGS] == [64, 128]
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         for fmt in (0, 1):  # a layer of 2,048 experts still fits
             assert cfg.shared_bytes(fmt, 2048) + cfg.static_bytes <= 227 * 1024
-        assert cfg.threads == 384 and cfg.m_tiles == 16
+        assert cfg.threads == 128 * (1 + cfg.groups) and cfg.m_tiles == 16
+        assert cfg.m_tiles % (4 * cfg.groups) == 0  # whole m-tiles per consumer warp
 
 
 def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(

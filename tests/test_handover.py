@@ -89,7 +89,8 @@ def _mma(index: int) -> dict[str, Any]:
 
 
 def _wgmma() -> dict[str, Any]:
-    return {"kind": "wgmma", **dict(zip(("bn", "stages"), WGMMA_TILINGS[-1], strict=True))}
+    fields = dict(zip(("bn", "stages", "groups"), WGMMA_TILINGS[-1], strict=True))
+    return {"kind": "wgmma", **fields}
 
 
 def _rows(per_expert: float) -> int:

@@ -13,21 +13,26 @@
 // column block, so the weight rows per tile set the bytes per MAC (128 rows moved 1.6x the bytes
 // per MAC of 256, and their layer ran 19-26 % slower at 4,096 tokens).
 //
-// Warp groups (384 threads). Group 0 is the producer: one thread issues the weights and scales of
-// a stage as one TMA box per matrix (3-D tensor maps over [expert, m-tile, bytes of the tile's
-// chunks], completing on the stage's "full" mbarrier with their byte count; out-of-range m-tiles
-// and chunks are zero-filled), and all 128 threads gather the activation rows of the item's
-// wgmma width through the expert map with 16-byte cp.async into the stage itself. One box per
-// matrix rather than one copy per m-tile: the copy engine's cost is per request, and 32-48
-// requests per stage bound the producer at few rows per item (docs/kernels.md, seventh round).
-// Groups 1 and 2 are the consumers: warp w of group c owns m-tiles 4c + w and 8 + 4c + w, i.e.
-// the 16 rows that each of two wgmma m64nNk16 give that warp. Per stage a lane reads its 2 x 16
+// Warp groups (128 x (1 + kGroups) threads). Group 0 is the producer: one thread issues the
+// weights and scales of a stage as one TMA box per matrix (3-D tensor maps over [expert, m-tile,
+// bytes of the tile's chunks], completing on the stage's "full" mbarrier with their byte count;
+// out-of-range m-tiles and chunks are zero-filled), and all 128 threads gather the activation rows
+// of the item's wgmma width through the expert map with 16-byte cp.async into the stage itself.
+// One box per matrix rather than one copy per m-tile: the copy engine's cost is per request, and
+// 32-48 requests per stage bound the producer at few rows per item (docs/kernels.md, seventh
+// round). Groups 1 .. kGroups are the consumers: warp w of group c owns m-tiles 4 kGroups u + 4c
+// + w (u < kMT = 4 / kGroups), i.e. the 16 rows that each of its kMT wgmma m64nNk16 give that
+// warp. Two groups (two m-tiles per warp) for bn 128, whose accumulators need the registers; four
+// (one m-tile per warp) for bn 64, where the consumers' decode, not the tensor cores, sets the
+// time of a stage, and four warps per scheduler hide more of its latency than two (4-6 % per
+// layer at 8-32 rows per expert: docs/kernels.md, ninth round). Per stage a lane reads its 2 x 16
 // bytes of weight rows g, g + 8 of chunk t per m-tile (the split layout's rotated slots,
 // conflict-free), decodes each 8-code word into the A fragment of two k16 steps (Decoder +
 // exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma against the stage's
 // activations: the decode is shared by kBN tokens, B never passes through registers, and the
 // decode of the next m-tile overlaps the tensor cores' work on this one. setmaxnreg gives the
-// consumers 200 registers (two m-tiles' accumulators) and the producer 104.
+// consumers 200 registers (two m-tiles' accumulators) and the producer 104, or with four groups
+// 104 and 64.
 //
 // The k order. In the split layout lane t holds chunk t (codes 32t .. 32t + 31) and the A fragment
 // of k16 step (q, h) takes codes 8q + 4h + {0, 1} (logical k 2t, 2t + 1) and 8q + 4h + {2, 3}
@@ -50,8 +55,8 @@
 // s: start kh * kBN * 128 + (s % 4) * 32, stride (8-row group) byte offset 1024.
 //
 // Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
-// (256 consumer arrivals, after the wgmma that read the slot completed). A producer thread
-// arrives once its copies of the stage have landed (cp.async.mbarrier.arrive) or, for a
+// (one arrival per consumer thread, after the wgmma that read the slot completed). A producer
+// thread arrives once its copies of the stage have landed (cp.async.mbarrier.arrive) or, for a
 // regrouped stage, after it fenced its stores into the async proxy. Work items, their order and
 // the schedule scan are gemm_items.cuh's; the producer runs up to kStages stages ahead across
 // item boundaries, so one item's epilogue overlaps the next item's loads.
@@ -163,9 +168,7 @@ constexpr int kChunk = 32;        // codes per 16-byte row piece of the split la
 constexpr int kStageChunks = 4;   // chunks per stage: chunk t for lane t
 constexpr int kStageCodes = kChunk * kStageChunks;
 constexpr int kMTileBytes = 1024; // one m-tile (16 weight rows) x 128 codes
-constexpr int kBMT = 16;          // m-tiles per block tile: 2 consumer groups x 4 warps x kMT
-constexpr int kMT = kBMT / 8;     // m-tiles per consumer warp
-constexpr int kThreads = 384;     // producer group + 2 consumer groups
+constexpr int kBMT = 16;          // m-tiles per block tile: kGroups consumer groups x 4 warps x kMT
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -262,22 +265,44 @@ template <int kN> __device__ __forceinline__ void pin(float (&d)[kN]) {
 
 // Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle (layout type 1
 // in bits 62-63): start address, stride byte offset 1024 (8 rows of 128 bytes), the leading byte
-// offset unused (1), base offset 0 (every swizzle atom is 1024-byte aligned).
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
-    return (uint64_t)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) |
-           (1ull << 62);
+// offset unused (1), base offset 0 (every swizzle atom is 1024-byte aligned). Split in words: the
+// low word holds the start address / 16 (bits 0-13) and the leading offset, the high word is a
+// constant. A shared address stays below 2^18, so the low word of addr + off is the low word of
+// addr plus off / 16 with no carry out of the address field: a wgmma's descriptor is one add to
+// its stage's (a mask and two shifts per wgmma were 5-10 % of a stage's consumer instructions).
+__device__ __forceinline__ uint32_t desc_lo_sw128(uint32_t addr) { return ((addr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t lo) {
+    return ((uint64_t)((1024 >> 4) | (1u << 30)) << 32) | lo;
 }
 
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
-__device__ __forceinline__ uint32_t lds32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-__device__ __forceinline__ uint32_t lds16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+// Shared loads at 32-bit shared addresses (the consumers' stage reads): generic pointers need the
+// shared window's base re-derived in every stage.
+__device__ __forceinline__ uint4 lds128s(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint32_t lds32s(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ uint32_t lds16s(uint32_t addr) {
+    unsigned short v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+    return v;
+}
+__device__ __forceinline__ void sts16(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"((unsigned short)v) : "memory");
+}
 __device__ __forceinline__ void sts128(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d)
                  : "memory");
 }
 
-template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages, int kGroups>
 struct Gemm90 {
     using Dec = Decoder<T, kSplit>;
     static constexpr bool kGated = kAct >= 1 && kAct <= 3;  // else one matrix (FC2, non-gated FC1)
@@ -298,10 +323,22 @@ struct Gemm90 {
     static constexpr int kSOff = kBBytes + kABytes;
     static constexpr int kSPad = (kBMT * kScaleTileBytes + 1023) / 1024 * 1024;
     static constexpr int kStageBytes = kSOff + kSPad;
-    // Registers per thread after the split (setmaxnreg; 128 x 104 + 256 x 200 <= 64 K): a
-    // consumer holds 2 x kAcc accumulators and two wgmma groups' A fragments; 192 serialises
-    // the wgmma (ptxas C7512), the producer spills below 104.
-    static constexpr int kProducerRegs = 104, kConsumerRegs = 200;
+    // Consumer warp groups: 2 (two m-tiles per warp) or 4 (one; twice the warps per scheduler to
+    // hide the decode's latency where narrow tiles leave the tensor cores waiting on it).
+    static_assert(kGroups == 2 || kGroups == 4, "kGroups: 2 or 4");
+    static constexpr int kMT = kBMT / (4 * kGroups);  // m-tiles per consumer warp
+    static constexpr int kThreads = 128 * (1 + kGroups);
+    static constexpr int kCons = 128 * kGroups;  // consumer threads
+    // Registers per thread after the split (setmaxnreg), which only redistributes the block's
+    // launch allocation (65536 / kThreads, rounded down to 8): 384 x 168 = 128 x 104 + 256 x 200,
+    // 640 x 96 = 128 x 64 + 512 x 104. A consumer holds kMT x kAcc accumulators and the A
+    // fragments of two wgmma groups: ptxas serialises the wgmma (C7512) at 192 with two m-tiles,
+    // and with one m-tile at 104 once a group holds two fragments. The producer spills below 104
+    // with publish's row passes unrolled; with four groups it publishes one pass at a time in 64.
+    static constexpr int kProducerRegs = kGroups == 4 ? 64 : 104;
+    static constexpr int kConsumerRegs = kGroups == 4 ? 104 : 200;
+    static_assert(128 * kProducerRegs + kCons * kConsumerRegs <= 65536 / kThreads / 8 * 8 * kThreads,
+                  "setmaxnreg redistributes the block's own registers");
     static constexpr int kHalfBytes = kBN * 128;                  // B: 64 logical k of kBN rows
     static constexpr int kAcc = kBN / 2;                          // accumulators per thread
     static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
@@ -310,14 +347,16 @@ struct Gemm90 {
     // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
     static constexpr int kBC = kBMT * kRowsPerTile;               // output columns of a tile
     static constexpr int kEpiRows = 16;
+    static constexpr int kJH = 2;  // n8 blocks per staged chunk
     static constexpr int kEpiStride = kBC * 2 + 16;
     static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
-    // 128 one: the accumulators leave no registers for more. Narrow tiles finish a group's
-    // wgmma long before the next group's decode (a dependent chain of shared loads and ALU
-    // work) is done, so they decode several independent chains at once.
-    static constexpr int kBatch = kBN >= 128 ? 1 : kBN >= 64 ? 2 : 4 * kMT;
+    // 128, and with four consumer groups, one: the registers leave no room for more. With two
+    // groups, narrow tiles finish a group's wgmma long before the next group's decode (a
+    // dependent chain of shared loads and ALU work) is done, so they decode several independent
+    // chains at once.
+    static constexpr int kBatch = kBN >= 128 || kGroups == 4 ? 1 : kBN >= 64 ? 2 : 4 * kMT;
     static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
     static_assert(kStageBytes % 1024 == 0 && kBMT % 8 == 0, "stage alignment");
     // The producer publishes a gathered slot kLag stages after its copies: the copies land while
@@ -336,7 +375,18 @@ struct Gemm90 {
     const TensorMap* map0;  // weights (FC1 gate), map1: FC1 up, smap: scales (parameter space)
     const TensorMap* map1;
     const TensorMap* smap;
-    int tiles, col_blocks, ksteps, n_items;
+    int ksteps;
+
+    // The schedule's size, recomputed where it is used rather than held in registers across the
+    // item loops: col_blocks() folds from the parameter bank into uniform registers, and
+    // n_items() reloads the scanned tile count from shared memory, which the loops' barrier
+    // waits keep from being hoisted. Held, the two spilled in the four-group consumers.
+    __device__ __forceinline__ int col_blocks() const {
+        return ((p.n + kRowsPerTile - 1) / kRowsPerTile + kBMT - 1) / kBMT;
+    }
+    __device__ __forceinline__ int n_items() const {
+        return tile_start[p.slots] * col_blocks();
+    }
 
     // Whether the activations hold their whole stages in the split k order already (FC2's h
     // from a permuted_h FC1, FC1's x from permute_split): the producer copies those as they are.
@@ -345,7 +395,7 @@ struct Gemm90 {
     }
 
     __device__ __forceinline__ Item item(int index) const {
-        return decode_item<kBN>(p, tile_start, col_blocks, index);
+        return decode_item<kBN>(p, tile_start, col_blocks(), index);
     }
 
     // Producer group: bulk copies of weights and scales (warp 0), activation rows (all).
@@ -355,7 +405,7 @@ struct Gemm90 {
         const int q = lane / 8;  // this lane's pieces 32t + 8q of each row, t = 0..3
         const T* const x = static_cast<const T*>(p.x);
         int st = 0, pub = 0;  // stages [pub, st) are gathered and not yet published
-        for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
+        for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
             const Item it = item(index);
             // Only the rows the consumers' wgmma reads (the item's width, a multiple of 32) are
             // gathered: passes past it would fill rows that no wgmma reads.
@@ -456,7 +506,8 @@ struct Gemm90 {
     __device__ __forceinline__ void publish(int slot) const {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane / 8;
         const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-#pragma unroll
+        // One pass at a time where four consumer groups leave the producer 64 registers.
+#pragma unroll(kGroups == 4 ? 1 : kRowPasses)
         for (int ps = 0; ps < kRowPasses; ++ps) {
             const int n = ps * 32 + warp * 8 + lane % 8;
             const int off = (q / 2) * kHalfBytes + n * 128, j0 = 4 * (q % 2), r = n % 8;
@@ -475,7 +526,7 @@ struct Gemm90 {
     }
 
     // Consumer groups: decode, wgmma, epilogue. Warp w of group c supplies m-tiles
-    // 8u + 4c + w (u < kMT): the A fragments of kMT wgmma per k16 step on one B.
+    // 4 kGroups u + 4c + w (u < kMT): the A fragments of kMT wgmma per k16 step on one B.
     __device__ __forceinline__ void consume() const {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
         const int group = threadIdx.x / 128 - 1;
@@ -486,8 +537,9 @@ struct Gemm90 {
             kAOff + (group * 4 + warp) * kMatTileBytes + t * kUnitBytes + ((g + 2 * t) % 8) * 16;
         const int s_off = kSOff + (group * 4 + warp) * kScaleTileBytes + t * kScaleChunkBytes + g * kScaleBytes;
         float acc[kMT][kAcc];
-        int st = 0, ep = 0;  // stages consumed; output chunks staged (the buffer parity)
-        for (int index = blockIdx.x; index < n_items; index += gridDim.x) {
+        int slot = 0, ep = 0;  // the next stage's slot; output chunks staged (the buffer parity)
+        uint32_t phase = 0;    // the parity of the next stage's full barrier
+        for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
             const Item it = item(index);
             // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), so an expert's
             // last, partial tile costs the tensor cores its rows, not kBN. The branch is per item
@@ -495,24 +547,31 @@ struct Gemm90 {
             // branch it cannot prove uniform.
             const int width = min(kBN, (it.rows + 31) / 32 * 32);
             if (kBN >= 128 && width > 64) {
-                k_loop<kBN >= 128 ? 128 : 32>(acc, st, a_off, s_off, t);
+                k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
             } else if (kBN >= 64 && width > 32) {
-                k_loop<kBN >= 64 ? 64 : 32>(acc, st, a_off, s_off, t);
+                k_loop<kBN >= 64 ? 64 : 32>(acc, slot, phase, a_off, s_off);
             } else {
-                k_loop<32>(acc, st, a_off, s_off, t);
+                k_loop<32>(acc, slot, phase, a_off, s_off);
             }
             store_tile(it, group * 4 + warp, acc, ep);
         }
     }
 
+    // The scale-table entries of one m-tile's scale bytes in a stage: NVFP4 {g blk0, g blk1,
+    // g+8 blk0, g+8 blk1}, MXFP4 {g, g+8}. Looked up once per stage into registers: read inside
+    // decode, each would be read again after every wgmma (whose asm clobbers memory).
+    __device__ __forceinline__ void scales(uint32_t sv, uint32_t (&sc)[kScaleBytes]) const {
+#pragma unroll
+        for (int j = 0; j < kScaleBytes; ++j) sc[j] = table[prmt(sv, 0u, 0x4440u + j)];
+    }
+
     // The A fragments of steps 2q, 2q + 1 of one m-tile from its words of chunk t (rows g and
-    // g + 8, or gate and up): decode, exact 16-bit block-scale multiply. Scale bytes: NVFP4
-    // {g blk0, g blk1, g+8 blk0, g+8 blk1}; MXFP4 {g, g+8}.
-    __device__ __forceinline__ void decode(uint32_t w0, uint32_t w1, uint32_t sv, int q, uint32_t (&a_lo)[4],
-                                           uint32_t (&a_hi)[4]) const {
+    // g + 8, or gate and up): decode, exact 16-bit block-scale multiply by the entries sc of
+    // scales().
+    __device__ __forceinline__ void decode(uint32_t w0, uint32_t w1, const uint32_t (&sc)[kScaleBytes], int q,
+                                           uint32_t (&a_lo)[4], uint32_t (&a_hi)[4]) const {
         const int b0 = kScaleBytes == 4 ? q / 2 : 0;
-        const uint32_t s0 = table[prmt(sv, 0u, 0x4440u + b0)];
-        const uint32_t s1 = table[prmt(sv, 0u, 0x4440u + b0 + kScaleBytes / 2)];
+        const uint32_t s0 = sc[b0], s1 = sc[b0 + kScaleBytes / 2];
         uint32_t h0[4], h1[4];
         Dec::run(w0, h0);
         Dec::run(w1, h1);
@@ -527,13 +586,14 @@ struct Gemm90 {
 
     // Steps 2q, 2q + 1 of one m-tile against the stage's B (half q / 2, 32-byte offsets 2 (q % 2)
     // and 2 (q % 2) + 1); the first step of an item overwrites the accumulators.
+    // b_lo: desc_lo_sw128 of the stage.
     template <int kW>
     __device__ __forceinline__ void issue(float (&acc)[kAcc], const uint32_t (&a_lo)[4], const uint32_t (&a_hi)[4],
-                                          uint32_t b, int q, int ks) const {
-        const uint32_t bq = b + (q / 2) * kHalfBytes + (q % 2) * 64;
+                                          uint32_t b_lo, int q, int ks) const {
+        const uint32_t lo = b_lo + ((q / 2) * kHalfBytes + (q % 2) * 64) / 16;
         auto& d = *reinterpret_cast<float(*)[kW / 2]>(acc);
-        wg::Wgmma<kW, T>::run(d, a_lo, smem_desc_sw128(bq), (ks | q) != 0);
-        wg::Wgmma<kW, T>::run(d, a_hi, smem_desc_sw128(bq + 32), 1);
+        wg::Wgmma<kW, T>::run(d, a_lo, desc_sw128(lo), (ks | q) != 0);
+        wg::Wgmma<kW, T>::run(d, a_hi, desc_sw128(lo + 32 / 16), 1);
     }
 
     // The K loop of one item at wgmma width kW (<= kBN) on the first kW / 2 accumulators of each
@@ -541,29 +601,29 @@ struct Gemm90 {
     // whose last wgmma group may still read it is released once the next stage's first wait shows
     // that group complete, so the tensor cores do not drain between stages.
     template <int kW>
-    __device__ __forceinline__ void k_loop(float (&acc)[kMT][kAcc], int& st, int a_off, int s_off,
-                                           int t) const {
+    __device__ __forceinline__ void k_loop(float (&acc)[kMT][kAcc], int& slot, uint32_t& phase, int a_off,
+                                           int s_off) const {
         int reading = -1;
-        for (int ks = 0; ks < ksteps; ++ks, ++st) {
-            const int slot = st % kStages;
-            mbar_wait(full + 8 * slot, (st / kStages) & 1);
+        const uint32_t smem_s = smem_u32(smem);
+        for (int ks = 0; ks < ksteps; ++ks) {
+            mbar_wait(full + 8 * slot, phase);
             if (split_source()) fence_async_shared();  // the cp.async pieces, for wgmma
-            const uint8_t* const stage = smem + slot * kStageBytes;
-            const bool live = ks * kStageChunks + t < p.chunks;  // K tail: zero weights
-            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-            uint32_t w0[kMT][4], w1[kMT][4], sv[kMT];
+            // Chunks past K arrive zero-filled (TMA, with zero scale bytes) against zero-filled
+            // activations: the K tail needs no test here.
+            const uint32_t stage = smem_s + slot * kStageBytes;
+            uint32_t w0[kMT][4], w1[kMT][4], sc[kMT][kScaleBytes];
 #pragma unroll
             for (int u = 0; u < kMT; ++u) {
-                const uint8_t* const a = stage + a_off + u * 8 * kMatTileBytes;
-                const uint8_t* const s = stage + s_off + u * 8 * kScaleTileBytes;
+                const uint32_t a = stage + a_off + u * 4 * kGroups * kMatTileBytes;
+                const uint32_t s = stage + s_off + u * 4 * kGroups * kScaleTileBytes;
                 // FC1: the up m-tile of the same columns; FC2: rows g + 8 of the chunk.
-                const uint4 wv0 = live ? lds128(a) : zero;
-                const uint4 wv1 = live ? lds128(a + (kGated ? kBMT * kMatTileBytes : 128)) : zero;
-                sv[u] = !live ? 0u : kScaleBytes == 4 ? lds32(s) : lds16(s);
+                const uint4 wv0 = lds128s(a);
+                const uint4 wv1 = lds128s(a + (kGated ? kBMT * kMatTileBytes : 128));
+                scales(kScaleBytes == 4 ? lds32s(s) : lds16s(s), sc[u]);
                 w0[u][0] = wv0.x; w0[u][1] = wv0.y; w0[u][2] = wv0.z; w0[u][3] = wv0.w;
                 w1[u][0] = wv1.x; w1[u][1] = wv1.y; w1[u][2] = wv1.z; w1[u][3] = wv1.w;
             }
-            const uint32_t b = smem_u32(stage);
+            const uint32_t b_lo = desc_lo_sw128(stage);
             // kBatch (m-tile, step pair) fragments per commit group, in the order q major, u
             // minor, which keeps each accumulator's k order (bitwise the same for any kBatch).
 #pragma unroll
@@ -572,13 +632,13 @@ struct Gemm90 {
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
                     const int q = (i0 + j) / kMT, u = (i0 + j) % kMT;
-                    decode(w0[u][q], w1[u][q], sv[u], q, a_lo[j], a_hi[j]);
+                    decode(w0[u][q], w1[u][q], sc[u], q, a_lo[j], a_hi[j]);
                 }
                 wgmma_fence();
 #pragma unroll
                 for (int j = 0; j < kBatch; ++j) {
                     const int q = (i0 + j) / kMT, u = (i0 + j) % kMT;
-                    issue<kW>(acc[u], a_lo[j], a_hi[j], b, q, ks);
+                    issue<kW>(acc[u], a_lo[j], a_hi[j], b_lo, q, ks);
                 }
                 // The previous group done: its A registers may be rewritten (two groups'
                 // fragments live), and at the stage's first group the previous slot is free.
@@ -587,6 +647,7 @@ struct Gemm90 {
                 if (i0 == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
             }
             reading = slot;
+            if (++slot == kStages) slot = 0, phase ^= 1u;
         }
         wgmma_wait<0>();
 #pragma unroll
@@ -597,7 +658,7 @@ struct Gemm90 {
     // Scale, bias, activation, store; accumulator j of n8 block jb of an m-tile is (row g, tokens
     // 8jb + 2t + u) for j = 4jb + u, (row g + 8, same) for j = 4jb + 2 + u. The output goes
     // through shared memory kEpiRows rows at a time: the lanes store their 2-byte values into a
-    // staging buffer at the columns' positions, then the 256 consumer threads copy whole rows
+    // staging buffer at the columns' positions, then the consumer threads copy whole rows
     // out in 16-byte pieces. Stored from the fragments straight to global memory, a warp store
     // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: both
     // groups finish an item together) took 40 % of Qwen3.6's FC2. Two buffers: chunk c + 1 is
@@ -615,7 +676,7 @@ struct Gemm90 {
         float b0[kMT][kCols], b1[kMT];
 #pragma unroll
         for (int u = 0; u < kMT; ++u) {
-            const int tile = it.cblock * kBMT + 8 * u + w;
+            const int tile = it.cblock * kBMT + 4 * kGroups * u + w;
 #pragma unroll
             for (int h = 0; h < kCols; ++h) {
                 const int col = kGated ? tile * 8 + g : tile * 16 + g + 8 * h;
@@ -630,27 +691,30 @@ struct Gemm90 {
         for (int c = 0; c < kBN / kEpiRows; ++c) {
             if (kEpiRows * c >= it.rows) break;  // uniform: the whole item's
             uint8_t* const buf = epi + (ep & 1) * (kEpiRows * kEpiStride);
+            // 32-bit shared addresses: generic pointers take two registers each, which the
+            // four-group consumers (104 registers) cannot spare around a gated activation.
+            const uint32_t buf_s = smem_u32(buf) + 2 * t * kEpiStride;
 #pragma unroll
             for (int u = 0; u < kMT; ++u)
 #pragma unroll
-                for (int jh = 0; jh < 2; ++jh)
+                for (int jh = 0; jh < kJH; ++jh)
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
-                        const int jb = 2 * c + jh;
-                        uint8_t* const row = buf + (8 * jh + 2 * t + v) * kEpiStride;
+                        const int jb = kJH * c + jh;
+                        const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;
                         if constexpr (kGated) {
-                            *reinterpret_cast<T*>(row + pos[u][0]) = cm::from_float<T>(activate<kAct>(
+                            sts16(row + pos[u][0], bits16(cm::from_float<T>(activate<kAct>(
                                 acc[u][4 * jb + v] * f0 + b0[u][0], acc[u][4 * jb + 2 + v] * f1 + b1[u],
-                                p.act));
+                                p.act))));
                         } else {
 #pragma unroll
                             for (int h = 0; h < 2; ++h)
-                                *reinterpret_cast<T*>(row + pos[u][h]) = cm::from_float<T>(
-                                    activate1<kAct>(acc[u][4 * jb + 2 * h + v] * f0 + b0[u][h], p.act));
+                                sts16(row + pos[u][h], bits16(cm::from_float<T>(activate1<kAct>(
+                                    acc[u][4 * jb + 2 * h + v] * f0 + b0[u][h], p.act))));
                         }
                     }
             // The chunk staged; the other buffer's copy-out (chunk c - 1) done by every thread.
-            asm volatile("bar.sync 1, 256;" ::: "memory");
+            asm volatile("bar.sync 1, %0;" ::"n"(kCons) : "memory");
             copy_out(it, buf, kEpiRows * c, col0);
             ++ep;
         }
@@ -660,20 +724,20 @@ struct Gemm90 {
     // whole rows where the rows are 16-byte aligned, else element by element.
     __device__ __forceinline__ void copy_out(const Item& it, const uint8_t* buf, int r0, int col0) const {
         const int rows = min(kEpiRows, it.rows - r0), cols = min(kBC, p.n - col0);
-        const int i0 = threadIdx.x - 128;  // consumer thread 0..255
+        const int i0 = threadIdx.x - 128;  // consumer thread 0 .. kCons - 1
         T* const dst = static_cast<T*>(p.out) + (size_t)(it.row0 + r0) * p.n + col0;
         if (p.n % 8 == 0 && (reinterpret_cast<unsigned long long>(p.out) & 15) == 0) {
             constexpr int kPieces = kBC / 8;  // per row
-            static_assert(kEpiRows * kPieces % 256 == 0, "whole passes of the 256 threads");
+            constexpr int kPasses = (kEpiRows * kPieces + kCons - 1) / kCons;
 #pragma unroll
-            for (int s = 0; s < kEpiRows * kPieces / 256; ++s) {
-                const int i = i0 + 256 * s, r = i / kPieces, j = i % kPieces;
-                if (r < rows && 8 * j < cols)
+            for (int s = 0; s < kPasses; ++s) {
+                const int i = i0 + kCons * s, r = i / kPieces, j = i % kPieces;
+                if (i < kEpiRows * kPieces && r < rows && 8 * j < cols)
                     *reinterpret_cast<uint4*>(dst + (size_t)r * p.n + 8 * j) =
                         *reinterpret_cast<const uint4*>(buf + r * kEpiStride + 16 * j);
             }
         } else {
-            for (int i = i0; i < kEpiRows * kBC; i += 256) {
+            for (int i = i0; i < kEpiRows * kBC; i += kCons) {
                 const int r = i / kBC, j = i % kBC;
                 if (r < rows && j < cols)
                     dst[(size_t)r * p.n + j] = *reinterpret_cast<const T*>(buf + r * kEpiStride + 2 * j);
@@ -682,10 +746,10 @@ struct Gemm90 {
     }
 };
 
-template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages, int kGroups>
 __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* map0, const TensorMap* map1,
                                             const TensorMap* smap) {
-    using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages>;
+    using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages, kGroups>;
     extern __shared__ __align__(16) uint8_t dyn_raw[];
     __shared__ uint32_t table[256];
     __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[0..kStages), empty[..]
@@ -694,7 +758,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     uint8_t* const epi = dyn_smem + kStages * G::kStageBytes;
     int* tile_start = reinterpret_cast<int*>(epi + G::kEpiBytes);
 
-    for (int i = threadIdx.x; i < 256; i += kThreads) {
+    for (int i = threadIdx.x; i < 256; i += G::kThreads) {
         const uint32_t b = scale_bits<kFormat, T>(i, G::kTableShift + p.scale_shift);
         table[i] = b | (b << 16);
     }
@@ -702,20 +766,17 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
             mbar_init(full + 8 * s, 128);
-            mbar_init(empty + 8 * s, 256);
+            mbar_init(empty + 8 * s, G::kCons);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     // Programmatic dependent launch: as gemm_fp4.cu (FC1 waits before the maps, FC2 after).
     if constexpr (kAct != 0) cm::wait_upstream();
-    scan_row_tiles<kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
+    scan_row_tiles<G::kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
-    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, map0, map1, smap, 0, 0, 0, 0};
-    gemm.tiles = (p.n + G::kRowsPerTile - 1) / G::kRowsPerTile;
-    gemm.col_blocks = (gemm.tiles + kBMT - 1) / kBMT;
-    gemm.ksteps = (p.chunks + kStageChunks - 1) / kStageChunks;
-    gemm.n_items = tile_start[p.slots] * gemm.col_blocks;
+    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, map0, map1, smap,
+           (p.chunks + kStageChunks - 1) / kStageChunks};
     if (threadIdx.x < 128) {
         gemm.produce();
     } else {
@@ -725,12 +786,13 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 
 }  // namespace
 
-// FC2: persistent grid (at most one block per SM), 384 threads; dynamic shared memory = kStages
-// stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py computes it).
+// FC2: persistent grid (at most one block per SM), 128 x (1 + kGroups) threads; dynamic shared
+// memory = kStages stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py
+// computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
 // (experts/gemm.py _maps: over the same bytes as w and scales).
-template <int kFormat, typename T, bool kBias, int kBN, int kStages>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int kFormat, typename T, bool kBias, int kBN, int kStages, int kGroups>
+__global__ void __launch_bounds__(128 * (1 + kGroups), 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
                const uint8_t* __restrict__ scales, const float* __restrict__ global_scale,
                const float* __restrict__ bias, const int* __restrict__ expert_offsets,
@@ -741,14 +803,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
                    scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
-    gemm90_body<kFormat, T, 0, kBias, kBN, kStages>(p, &w_map, nullptr, &s_map);
+    gemm90_body<kFormat, T, 0, kBias, kBN, kStages, kGroups>(p, &w_map, nullptr, &s_map);
 }
 
 // Non-gated FC1 (relu, gelu, silu, identity): FC2's kernel with FC1's row gather and wait, and
 // the activation in the epilogue. Arguments as gemm_fp4.cu's gemm_fc1_single, then permuted_h,
 // permuted_x and the tensor maps of w and scales.
-template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages, int kGroups>
+__global__ void __launch_bounds__(128 * (1 + kGroups), 1)
     gemm90_fc1_single(const T* __restrict__ x, const int* __restrict__ row_source,
                       const uint8_t* __restrict__ w, const uint8_t* __restrict__ scales,
                       const float* __restrict__ global_scale, const float* __restrict__ bias,
@@ -761,13 +823,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, top_k,
                    scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h, permuted_x};
-    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p, &w_map, nullptr, &s_map);
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages, kGroups>(p, &w_map, nullptr, &s_map);
 }
 
 // FC1 with a gated activation: as FC2; arguments as gemm_fp4.cu's gemm_fc1, then permuted_h,
 // permuted_x and the tensor maps of gate, up and scales.
-template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages>
-__global__ void __launch_bounds__(kThreads, 1)
+template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages, int kGroups>
+__global__ void __launch_bounds__(128 * (1 + kGroups), 1)
     gemm90_fc1(const T* __restrict__ x, const int* __restrict__ row_source,
                const uint8_t* __restrict__ gate, const uint8_t* __restrict__ up,
                const uint8_t* __restrict__ scales, const float* __restrict__ gate_global,
@@ -782,7 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                    up_global, gate_bias,  up_bias, expert_offsets, active,    out,
                    n_experts, slots,      n,       k,         chunks,         top_k,
                    scale_shift, {alpha, beta, limit}, permuted_h, permuted_x};
-    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages>(p, &gate_map, &up_map, &s_map);
+    gemm90_body<kFormat, T, kAct, kBias, kBN, kStages, kGroups>(p, &gate_map, &up_map, &s_map);
 }
 
 // x into the split k order of the wgmma B layout (split_position) for an FC1 with permuted_x:

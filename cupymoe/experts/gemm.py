@@ -176,16 +176,22 @@ TILING_FOR_ROWS_PER_EXPERT: tuple[tuple[float, tuple[int, int, int, int, int]], 
 #: ``CUPYMOE_WGMMA=0``: the mma.sync kernel on sm_90 too (the wgmma kernel needs exactly sm_90).
 ENV_WGMMA = "CUPYMOE_WGMMA"
 
-#: (bn, stages) of the sm_90a wgmma kernel: 384 threads (a producer and two consumer warp groups),
-#: 256 weight rows x bn expanded rows per block tile, one block per SM. A tile with fewer rows
-#: runs its wgmma at N = 32 or 64 (the kernel picks per item). bn 64 decodes two fragments per
-#: wgmma group (``Gemm90::kBatch``), which bn 128's accumulators leave no registers for.
+#: (bn, stages, consumer warp groups) of the sm_90a wgmma kernel: a producer warp group and 2 or
+#: 4 consumer groups (384 or 640 threads), 256 weight rows x bn expanded rows per block tile, one
+#: block per SM. A tile with fewer rows runs its wgmma at N = 32 or 64 (the kernel picks per
+#: item).
 #: Whole layers on the H200 (session 19, µs per layer, bn 64 x 5 | 128 x 4, the wgmma kernel
 #: forced from 4 rows per expert): Qwen3.6 M = 256 / 512 / 1,024 / 2,048 (8 / 16 / 32 / 64 rows
 #: per expert) 232.5 | 253.2, 227.0 | 253.0, 269.9 | 292.3, 404.6 | 394.2; gpt-oss M = 64 / 128 /
 #: 256 / 512 (the same rows) 197.7 | 219.0, 203.8 | 228.2, 244.6 | 264.2, 366.7 | 358.3. bn 64 x 6
-#: was within 2 % of x 5; bn 32 x 8 does not fit the block's shared memory.
-WGMMA_TILINGS: tuple[tuple[int, int], ...] = ((64, 5), (128, 4))
+#: was within 2 % of x 5; bn 32 x 8 does not fit the block's shared memory (both on two groups,
+#: bn 64 decoding two fragments per wgmma group, ``Gemm90::kBatch``).
+#: Four consumer groups for bn 64 (one m-tile and one fragment per wgmma group per consumer
+#: warp): four warps per scheduler instead of two hide more of the decode's latency where the
+#: tensor cores wait on it (session 21, the same GPU run, layer µs, two groups | four: Qwen3.6 M
+#: = 512 / 1,024 222.3 | 215.8, 260.6 | 254.8; gpt-oss M = 128 / 256 200.4 | 192.4, 234.3 |
+#: 229.2). bn 128's 64 accumulators per thread leave no registers for four.
+WGMMA_TILINGS: tuple[tuple[int, int, int], ...] = ((64, 5, 4), (128, 4, 2))
 
 #: Average rows per active expert up to which the wgmma kernel takes its bn 64 tiling (above it
 #: bn 128): the measurements of :data:`WGMMA_TILINGS`.
@@ -204,13 +210,14 @@ WGMMA_MIN_ROWS_PER_EXPERT = 8
 @dataclasses.dataclass(frozen=True)
 class WgmmaConfig:
     """One tiling of the sm_90a wgmma kernel: ``bn`` expanded rows per block tile (the wgmma N),
-    ``stages`` pipeline stages of 128 codes of K."""
+    ``stages`` pipeline stages of 128 codes of K, ``groups`` consumer warp groups."""
 
     bn: int
     stages: int
+    groups: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("bn", "stages"):
+        for name in ("bn", "stages", "groups"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: expected int, got {type(value).__name__}")
@@ -220,13 +227,16 @@ class WgmmaConfig:
             )
 
     @property
-    def key(self) -> tuple[int, int]:
-        """The template arguments (bn, stages)."""
-        return (self.bn, self.stages)
+    def key(self) -> tuple[int, int, int]:
+        """The template arguments (bn, stages, groups)."""
+        return (self.bn, self.stages, self.groups)
 
-    #: Threads per block: a producer warp group and two consumer warp groups.
-    threads = 384
-    #: m-tiles (16 weight rows) per block tile: two per consumer warp.
+    @property
+    def threads(self) -> int:
+        """Threads per block: a producer warp group and the consumer warp groups."""
+        return 128 * (1 + self.groups)
+
+    #: m-tiles (16 weight rows) per block tile: 16 / groups per consumer warp group.
     m_tiles = 16
     #: Static shared memory of the kernel, rounded up: the scale table (1 KB), the mbarriers
     #: and the scan's warp totals.

@@ -262,7 +262,8 @@ def gemm_candidates(rows: int, n_experts: int, fmt_code: int) -> list[GemmConfig
 
 def candidate_label(config: GemvConfig | GemmConfig | WgmmaConfig) -> str:
     """A candidate's name in an entry's ``candidates``: ``"gemv 16x128"`` (cta_n x threads),
-    ``"mma 4x1x2x4x4"`` (warps_m x warps_n x mt x nt x stages), ``"wgmma 128x4"`` (bn x stages)."""
+    ``"mma 4x1x2x4x4"`` (warps_m x warps_n x mt x nt x stages), ``"wgmma 128x4x2"`` (bn x stages x
+    groups)."""
     if isinstance(config, GemvConfig):
         return f"gemv {config.cta_n}x{config.threads}"
     return f"{_gemm_kind(config)} {'x'.join(map(str, config.key))}"
