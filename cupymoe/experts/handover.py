@@ -118,8 +118,13 @@ DEFAULT_HAND_OVER = HandOver(GEMV_MAX_ROWS_PER_EXPERT, WGMMA_MIN_ROWS_PER_EXPERT
 #: of whole layers, benchmarks/h200_wgmma_variants.json run ``run_s19_tilings``). From 16 rows
 #: per expert wgmma beats mma.sync on every op (by 16-27 %, 26-45 % at 32), at 8 it ties the GEMV
 #: (gpt-oss FC2: wgmma wins), so ``wgmma_min`` = ``gemv_max`` and mma.sync serves none of these
-#: shapes on the H200. DeepSeek-V3 is not measured per op: the defaults, which follow the four
-#: measured ops.
+#: shapes on the H200. Session 21 (the wgmma kernel's bn 64 on four consumer groups) measured
+#: the 8-rows bucket again as whole layers, per-stage graphs, GEMV | wgmma (``.dev`` harness,
+#: benchmarks/h200_handover_s21.json): Qwen3.6 M = 256 FC1 120.8 | 118.8, FC2 70.9 | 70.2 (inside
+#: the 2 %: unchanged); gpt-oss M = 64 FC1 122.3 | 122.3, and with FC1 on the wgmma kernel FC2
+#: reads h in the split k order (``dispatch.permutes_h``): 71.2 | 58.3, layer 200.2 | 186.6;
+#: DeepSeek-V3 M = 256 FC1 1,592 | 1,449, FC2 829 | 726. Those two take the wgmma kernel from
+#: the bucket below 8.
 HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     # Qwen3.6-35B-A3B (H 2048, I 512, E 256, top-8), NVFP4.
     # fc1: 8 rows GEMV 121.2 | mma 127.5 | wgmma 128.0; 16: 201.2 | 157.7 | 132.0;
@@ -130,14 +135,15 @@ HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     (("fc2", 2048, 512, 256), HandOver(8, 8)),
     # gpt-oss-20b (H 2880, I 2880, E 32, top-4), MXFP4.
     # fc1: 8 rows GEMV 123.8 | mma 126.7 | wgmma 127.4; 16: 188.0 | 161.3 | 129.6;
-    # 32: 340.4 | 213.6 | 157.0.
-    (("fc1", 2880, 2880, 32), HandOver(8, 8)),
+    # 32: 340.4 | 213.6 | 157.0. Session 21 at 8 rows: 122.3 | wgmma 122.3, and FC2 on split h.
+    (("fc1", 2880, 2880, 32), HandOver(4, 4)),
     # fc2: 8 rows GEMV 65.1 | mma 73.7 | wgmma 59.3; 16: 103.7 | 83.2 | 60.6;
     # 32: 178.2 | 126.2 | 69.5 (wgmma ahead from 8 rows: both thresholds at the bucket below).
     (("fc2", 2880, 2880, 32), HandOver(4, 4)),
-    # DeepSeek-V3 routed experts (H 7168, I 2048, E 256, top-8), NVFP4: the defaults.
-    (("fc1", 2048, 7168, 256), DEFAULT_HAND_OVER),
-    (("fc2", 7168, 2048, 256), DEFAULT_HAND_OVER),
+    # DeepSeek-V3 routed experts (H 7168, I 2048, E 256, top-8), NVFP4. Session 21 at 8 rows
+    # (M = 256), GEMV | wgmma: fc1 1,592 | 1,449, fc2 829 | 726.
+    (("fc1", 2048, 7168, 256), HandOver(4, 4)),
+    (("fc2", 7168, 2048, 256), HandOver(4, 4)),
 )
 _BY_SHAPE = dict(HAND_OVERS)
 
