@@ -32,30 +32,16 @@ __global__ void __launch_bounds__(256) maps_tile_rank(const int* __restrict__ id
 #pragma unroll
         for (int w = 0; w < 8; ++w) wcnt[w][e] = 0;
     __syncthreads();
-    const unsigned lower = (1u << lane) - 1u;
     int rank[4], expert[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
         const int i = blockIdx.x * kTileRows + warp * 128 + q * 32 + lane;
         const int e = i < n ? rt::sanitize_expert(ids[i], E) : -1;
-        const unsigned peers = __match_any_sync(rt::kFull, e);
-        rank[q] = i < n ? wcnt[warp][e] + __popc(peers & lower) : 0;
+        rank[q] = rt::warp_rank_round(e, i < n, wcnt[warp]);
         expert[q] = e;
-        __syncwarp();
-        if (i < n && (peers & lower) == 0u) wcnt[warp][e] += __popc(peers);
-        __syncwarp();
     }
     __syncthreads();
-    for (int e = tid; e <= E; e += 256) {
-        int running = 0;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) {
-            const int c = wcnt[w][e];
-            wcnt[w][e] = running;
-            running += c;
-        }
-        tile_counts[e * n_tiles + blockIdx.x] = running;
-    }
+    rt::scan_warp_counts(&wcnt[0][0], 8, E + 1, kMaxTileExperts + 1, tile_counts + blockIdx.x, n_tiles);
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < 4; ++q) {

@@ -32,6 +32,36 @@ __device__ __forceinline__ long long block_scan(long long v, long long* wsum, lo
 
 __device__ __forceinline__ int sanitize_expert(int e, int E) { return (e >= 0 && e < E) ? e : E; }
 
+// One round of a warp's stable ranking: lane l holds a row of expert bucket e (live rows only;
+// the dead lanes pass e = -1), the warp's 32 rows are consecutive. Returns the row's rank among
+// the rows of its bucket this warp has ranked so far (0 for a dead lane) and adds the round's
+// rows to the warp's counters `mine` (shared).
+__device__ __forceinline__ int warp_rank_round(int e, bool live, int* mine) {
+    const unsigned lower = (1u << (threadIdx.x & 31)) - 1u;
+    const unsigned peers = __match_any_sync(kFull, e);
+    const int rank = live ? mine[e] + __popc(peers & lower) : 0;
+    __syncwarp();
+    if (live && (peers & lower) == 0u) mine[e] += __popc(peers);
+    __syncwarp();
+    return rank;
+}
+
+// The column scan that makes the W warps' ranks block-wide: for each bucket e < L, warp w's
+// counter cnt[w * stride + e] becomes the bucket's rows in the warps before w, and
+// out[e * out_stride] the bucket's total. The block's threads share the buckets.
+__device__ __forceinline__ void scan_warp_counts(int* cnt, int W, int L, int stride, int* out,
+                                                 int out_stride) {
+    for (int e = threadIdx.x; e < L; e += blockDim.x) {
+        int running = 0;
+        for (int w = 0; w < W; ++w) {
+            const int c = cnt[w * stride + e];
+            cnt[w * stride + e] = running;
+            running += c;
+        }
+        out[e * out_stride] = running;
+    }
+}
+
 // ids [n] (global or shared) -> offsets [E+1], sorted_rows [n], inverse [n], active [active_len].
 // Warp w of the block's W ranks rows [w * seg, (w + 1) * seg) (seg: n / W rounded up to 32) in
 // chunks of 32 with match.any + popc into its own counters; a column scan over the warps makes
@@ -50,29 +80,15 @@ __device__ void build_maps_block(const int* ids, int n, int E, int* __restrict__
     for (int i = tid; i < (W + 1) * L; i += blockDim.x) cnt[i] = 0;
     __syncthreads();
     const int seg = (n + 32 * W - 1) / (32 * W) * 32;
-    const unsigned lower = (1u << lane) - 1u;
-    int* const mine = cnt + warp * L;
     const int last = min(n, (warp + 1) * seg);
     for (int base = warp * seg; base < last; base += 32) {
         const int i = base + lane;
         const int e = i < last ? sanitize_expert(ids[i], E) : -1;
-        const unsigned peers = __match_any_sync(kFull, e);
-        const int rank = i < last ? mine[e] + __popc(peers & lower) : 0;
-        __syncwarp();
-        if (i < last && (peers & lower) == 0u) mine[e] += __popc(peers);
-        __syncwarp();
+        const int rank = warp_rank_round(e, i < last, cnt + warp * L);
         if (i < last) inverse[i] = rank;
     }
     __syncthreads();
-    for (int e = tid; e < L; e += blockDim.x) {
-        int running = 0;
-        for (int w = 0; w < W; ++w) {
-            const int c = cnt[w * L + e];
-            cnt[w * L + e] = running;
-            running += c;
-        }
-        totals[e] = running;
-    }
+    scan_warp_counts(cnt, W, L, L, totals, 1);
     __syncthreads();
     // offsets and the active list: one scan over (count << 16 | active) per expert bucket.
     const int per = (L + blockDim.x - 1) / blockDim.x;
