@@ -301,6 +301,8 @@ def test_dispatch_resolve_precedence(device: dict[str, Any]) -> None:
             "not compiled",
         ),
         ("gemm", {"kind": "wgmma", "bn": 48, "stages": 4}, "not compiled"),
+        # bn 64 tuned on two consumer groups, before it ran on four
+        ("gemm", {"kind": "wgmma", "bn": 64, "stages": 5}, "not compiled"),
         ("gemm", {"kind": "mma", "rows_per_block": 4}, "rows_per_block"),  # an older layout
         ("gemm", {"kind": "sparse"}, "kind"),
         ("gemm", {"kind": "mma", "warps_m": [4], "nested": {"a": 1}}, "backend"),  # hand-edited
