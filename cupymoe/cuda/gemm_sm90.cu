@@ -24,8 +24,8 @@
 // + w (u < kMT = 4 / kGroups), i.e. the 16 rows that each of its kMT wgmma m64nNk16 give that
 // warp. Two groups (two m-tiles per warp) for bn 128, whose accumulators need the registers; four
 // (one m-tile per warp) for bn 64, where the consumers' decode, not the tensor cores, sets the
-// time of a stage, and four warps per scheduler hide more of its latency than two (4-6 % per
-// layer at 8-32 rows per expert: docs/kernels.md, ninth round). Per stage a lane reads its 2 x 16
+// time of a stage, and four warps per scheduler hide more of its latency than two (2-4 % per
+// layer at 16-32 rows per expert: docs/kernels.md, ninth round). Per stage a lane reads its 2 x 16
 // bytes of weight rows g, g + 8 of chunk t per m-tile (the split layout's rotated slots,
 // conflict-free), decodes each 8-code word into the A fragment of two k16 steps (Decoder +
 // exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma against the stage's
@@ -660,7 +660,7 @@ struct Gemm90 {
     // through shared memory kEpiRows rows at a time: the lanes store their 2-byte values into a
     // staging buffer at the columns' positions, then the consumer threads copy whole rows
     // out in 16-byte pieces. Stored from the fragments straight to global memory, a warp store
-    // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: both
+    // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: all
     // groups finish an item together) took 40 % of Qwen3.6's FC2. Two buffers: chunk c + 1 is
     // staged while other warps still copy chunk c out, one barrier per chunk.
     __device__ __forceinline__ void store_tile(const Item& it, int w, const float (&acc)[kMT][kAcc],
