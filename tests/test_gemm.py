@@ -67,9 +67,53 @@ def test_schedule_covers_every_row_once(
 def test_row_tiles_counts_and_padding_slots() -> None:
     offsets = np.array([0, 3, 3, 40, 41])  # expert 1 has no rows
     active = np.array([0, 2, 3, -1])  # padded active list
-    np.testing.assert_array_equal(row_tiles(offsets, active, 16), [0, 1, 4, 5, 5])
+    # bn 16: one width class, slot order
+    assert row_tiles(offsets, active, 16) == [
+        (0, 0, 3),
+        (1, 0, 16),
+        (1, 16, 16),
+        (1, 32, 5),
+        (2, 0, 1),
+    ]
     items = schedule_ref(offsets, active, bn=16, col_blocks=1)
     assert items == [(0, 0, 3, 0), (2, 3, 16, 0), (2, 19, 16, 0), (2, 35, 5, 0), (3, 40, 1, 0)]
+
+
+def test_row_tiles_widest_first() -> None:
+    # rows per expert: 70 (64 + 6), 40 (one tile of width 64), 5, 128 (two full), 97 (64 + 33)
+    offsets = np.cumsum([0, 70, 40, 5, 128, 97])
+    active = np.array([0, 1, 2, 3, 4, -1])
+    assert row_tiles(offsets, active, 64) == [
+        (0, 0, 64),
+        (1, 0, 40),
+        (3, 0, 64),
+        (3, 64, 64),
+        (4, 0, 64),
+        (4, 64, 33),  # width 64
+        (0, 64, 6),
+        (2, 0, 5),  # width 32, slot order
+    ]
+    # bn 128: widths 128, 96, 64, 32 -- 97 rows is class 0 (width 128), 70 and 40 class 2
+    assert row_tiles(offsets, active, 128) == [
+        (3, 0, 128),
+        (4, 0, 97),
+        (0, 0, 70),
+        (1, 0, 40),
+        (2, 0, 5),
+    ]
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+def test_schedule_widths_never_grow(rng: np.random.Generator, bn: int) -> None:
+    offsets, active = _maps(rng, 1000, 8, 64)  # about 125 rows per expert: every width occurs
+    widths = [min(bn, -(-rows // 32) * 32) for _, _, rows in row_tiles(offsets, active, bn)]
+    assert widths == sorted(widths, reverse=True)
+    assert set(widths) >= {bn, 32}
+    items = schedule_ref(offsets, active, bn=bn, col_blocks=2)
+    covered = np.zeros(1000 * 8, np.int64)
+    for _, row0, rows, cb in items:
+        covered[row0 : row0 + rows] += cb == 0
+    np.testing.assert_array_equal(covered, 1)
 
 
 def test_gemm_config_table() -> None:
@@ -110,7 +154,7 @@ def test_wgmma_config_table() -> None:
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         for fmt in (0, 1):  # a layer of 2,048 experts still fits
-            assert cfg.shared_bytes(fmt, 2048) + cfg.static_bytes <= 227 * 1024
+            assert cfg.shared_bytes(fmt, 1024) + cfg.static_bytes <= 227 * 1024
         assert cfg.threads == 128 * (1 + cfg.groups) and cfg.m_tiles == 16
         assert cfg.m_tiles % (4 * cfg.groups) == 0  # whole m-tiles per consumer warp
 
@@ -131,10 +175,17 @@ def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
     assert gemm.default_config(256 * limit + 1, 256, 0) == wgmma
     assert gemm.default_config(256 * 9, 256, 0, wgmma_min=8) == narrow
     assert isinstance(gemm.default_config(256 * 8, 256, 0, wgmma_min=8), GemmConfig)
-    big = (227 * 1024 - narrow.static_bytes - narrow.shared_bytes(0, 0)) // 4 + 1
+
+    def largest_fit(cfg: WgmmaConfig) -> int:
+        return max(
+            s for s in range(1, 1 << 15) if cfg.shared_bytes(0, s) + cfg.static_bytes <= 227 * 1024
+        )
+
+    big = largest_fit(narrow) + 1
     assert isinstance(gemm.default_config(big * 16, big, 0), GemmConfig)
     # the largest expert count whose row-tile table fits beside the stages, and one more
-    fits = (227 * 1024 - wgmma.static_bytes - wgmma.shared_bytes(0, 0)) // 4
+    fits = largest_fit(wgmma)
+    assert fits >= 1024  # every expert count in use (DeepSeek-V3 256, Kimi K2 384)
     assert gemm.default_config(fits * 128, fits, 0) == wgmma
     assert isinstance(gemm.default_config((fits + 1) * 128, fits + 1, 0), GemmConfig)
     assert isinstance(gemm.default_config(256 * 128, 256, 0, wgmma_min=128), GemmConfig)

@@ -101,7 +101,7 @@ struct Gemm {
 
     const Params& p;
     uint8_t* smem;
-    const int* tile_start;  // [slots + 1] first row tile of each active slot (shared)
+    const int* tile_start;  // the row-tile table (gemm_items.cuh scan_row_tiles; shared)
     const uint32_t* table;  // 256 scale-table entries (shared)
     int col_blocks, tiles, ksteps, n_items;
 
@@ -383,7 +383,7 @@ __device__ __forceinline__ void gemm_body(const Params& p) {
 }  // namespace
 
 // FC2: persistent grid (at most one block per resident slot), block = 32 * kWarpsM * kWarpsN;
-// dynamic shared memory = kStages stages + (slots + 1) ints (experts/gemm.py computes it).
+// dynamic shared memory = kStages stages + the row-tile table (experts/gemm.py computes it).
 template <int kFormat, typename T, bool kBias, int kWarpsM, int kWarpsN, int kMT, int kNT,
           int kStages>
 __global__ void __launch_bounds__(32 * kWarpsM * kWarpsN, 1)

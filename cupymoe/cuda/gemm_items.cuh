@@ -41,58 +41,117 @@ struct Item {
     int cblock;  // column block: m-tiles cblock * kBMT ..
 };
 
-// Block-wide exclusive scan of ceil(rows / kBN) over the active slots into tile_start[0..slots].
+// Row tiles in order of width, widest first, so that the static round-robin of items over the
+// persistent grid ends on the cheapest items (a block's items take time in proportion to their
+// wgmma width, and an expert's last, partial tile is narrower): width class c (c = 0 ..
+// kClasses - 1) holds the tiles of width kBN - 32c, 32-row multiples. Class 0 is every full
+// tile (and a last tile wider than kBN - 32), the other classes at most one tile per expert. The
+// order is class 0 in slot order, then each further class in slot order; the modelled
+// makespan at 32-512 rows per expert gained 5-12 % (docs/kernels.md, tenth round).
+template <int kBN> struct TileClasses {
+    static constexpr int kClasses = kBN >= 64 ? kBN / 32 : 1;
+    static_assert(kClasses <= 4, "16-bit counters of three partial classes");
+    // The class of an expert's last tile of `rem` rows (0 < rem < kBN).
+    __device__ __forceinline__ static int of(int rem) { return kClasses == 1 ? 0 : (kBN - (rem + 31) / 32 * 32) / 32; }
+};
+
+// The row-tile table of a launch in shared memory (scan_row_tiles):
+//   tile_start[j] (j < slots)  first class-0 tile of slot j (an exclusive scan),
+//   tile_start[slots]          every row tile of the launch,
+//   tile_start[slots + 1]      the class-0 tiles,
+//   part_slot[r]               (16-bit, after them) the slot of the r-th tile of classes 1.., in
+//                              the order above.
+// experts/gemm.py row_tiles / schedule_ref is the NumPy transcription; _table_bytes its size.
+__device__ __forceinline__ const uint16_t* part_slots(const int* tile_start, int slots) {
+    return reinterpret_cast<const uint16_t*>(tile_start + slots + 2);
+}
+
 template <int kThreads, int kBN>
 __device__ __forceinline__ void scan_row_tiles(const Params& p, int* tile_start) {
+    using C = TileClasses<kBN>;
+    // Per thread: a contiguous run of slots; the class-0 tile count and the 16-bit counts of
+    // partial classes 1..3 (packed) are scanned together across the block.
     __shared__ int warp_total[kThreads / 32];
+    __shared__ unsigned long long warp_part[kThreads / 32];
     const int per = (p.slots + kThreads - 1) / kThreads;
     const int j0 = min((int)threadIdx.x * per, p.slots), j1 = min(j0 + per, p.slots);
     int sum = 0;
+    unsigned long long part = 0;
     for (int j = j0; j < j1; ++j) {
         const int e = p.active[j];
         const int rows = e >= 0 && e < p.n_experts ? p.expert_offsets[e + 1] - p.expert_offsets[e] : 0;
-        const int count = (rows + kBN - 1) / kBN;
-        tile_start[j] = count;
+        const int rem = rows % kBN, c = rem ? C::of(rem) : 0;
+        const int count = rows / kBN + (rem && c == 0);
+        tile_start[j] = count | (rem && c ? c << 29 : 0);  // held until the write pass below
         sum += count;
+        if (rem && c) part += 1ull << (16 * (c - 1));
     }
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int incl = sum;
+    unsigned long long pincl = part;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
         const int v = __shfl_up_sync(0xFFFFFFFFu, incl, d);
-        if (lane >= d) incl += v;
+        const unsigned long long pv = __shfl_up_sync(0xFFFFFFFFu, pincl, d);
+        if (lane >= d) incl += v, pincl += pv;
     }
-    if (lane == 31) warp_total[warp] = incl;
+    if (lane == 31) warp_total[warp] = incl, warp_part[warp] = pincl;
     __syncthreads();
-    int run = incl - sum;
-    for (int w = 0; w < warp; ++w) run += warp_total[w];
-    for (int j = j0; j < j1; ++j) {
-        const int count = tile_start[j];
-        tile_start[j] = run;
-        run += count;
+    int run = incl - sum, total0 = 0;
+    unsigned long long prun = pincl - part, ptotal = 0;
+    for (int w = 0; w < kThreads / 32; ++w) {
+        if (w < warp) run += warp_total[w], prun += warp_part[w];
+        total0 += warp_total[w];
+        ptotal += warp_part[w];
     }
-    if (threadIdx.x == kThreads - 1) tile_start[p.slots] = run;
+    // Class c's first position among the partial tiles: the totals of the classes before it.
+    const int t1 = (int)(ptotal & 0xFFFF), t2 = (int)((ptotal >> 16) & 0xFFFF);
+    int r1 = (int)(prun & 0xFFFF), r2 = t1 + (int)((prun >> 16) & 0xFFFF);
+    int r3 = t1 + t2 + (int)((prun >> 32) & 0xFFFF);
+    uint16_t* const part_slot = const_cast<uint16_t*>(part_slots(tile_start, p.slots));
+    for (int j = j0; j < j1; ++j) {
+        const int v = tile_start[j], c = v >> 29;
+        tile_start[j] = run;
+        run += v & ((1 << 29) - 1);
+        if (c == 1) part_slot[r1++] = (uint16_t)j;
+        if (c == 2) part_slot[r2++] = (uint16_t)j;
+        if (c == 3) part_slot[r3++] = (uint16_t)j;
+    }
+    if (threadIdx.x == kThreads - 1) {
+        tile_start[p.slots] = total0 + t1 + t2 + (int)((ptotal >> 32) & 0xFFFF);
+        tile_start[p.slots + 1] = total0;
+    }
     __syncthreads();
 }
 
-// Item `index` of a launch: row tile index / col_blocks of the scanned slots, column block the
-// remainder (tile_start from scan_row_tiles).
+// Item `index` of a launch: row tile index / col_blocks in the order of scan_row_tiles, column
+// block the remainder.
 template <int kBN>
 __device__ __forceinline__ Item decode_item(const Params& p, const int* tile_start, int col_blocks,
                                             int index) {
     const int rt = index / col_blocks;
-    int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi]
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) >> 1;
-        if (tile_start[mid] <= rt) lo = mid; else hi = mid;
-    }
     Item it;
-    it.e = p.active[lo];
-    const int begin = p.expert_offsets[it.e];
-    const int end = p.expert_offsets[it.e + 1];
-    it.row0 = begin + (rt - tile_start[lo]) * kBN;
-    it.rows = min(kBN, end - it.row0);
     it.cblock = index - rt * col_blocks;
+    const int total0 = tile_start[p.slots + 1];
+    if (rt < total0) {
+        int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi] (the total at slots)
+        while (hi - lo > 1) {
+            const int mid = (lo + hi) >> 1;
+            if (tile_start[mid] <= rt) lo = mid; else hi = mid;
+        }
+        it.e = p.active[lo];
+        const int begin = p.expert_offsets[it.e];
+        const int end = p.expert_offsets[it.e + 1];
+        it.row0 = begin + (rt - tile_start[lo]) * kBN;
+        it.rows = min(kBN, end - it.row0);
+    } else {
+        // An expert's last, partial tile.
+        it.e = p.active[part_slots(tile_start, p.slots)[rt - total0]];
+        const int begin = p.expert_offsets[it.e];
+        const int rows = p.expert_offsets[it.e + 1] - begin;
+        it.row0 = begin + rows / kBN * kBN;
+        it.rows = rows % kBN;
+    }
     return it;
 }
 

@@ -368,7 +368,7 @@ struct Gemm90 {
 
     const Params& p;
     uint8_t* smem;
-    const int* tile_start;  // [slots + 1] first row tile of each active slot (shared)
+    const int* tile_start;  // the row-tile table (gemm_items.cuh scan_row_tiles; shared)
     const uint32_t* table;  // 256 scale-table entries (shared)
     uint8_t* epi;           // the epilogue's two staging buffers (shared)
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
@@ -787,7 +787,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 }  // namespace
 
 // FC2: persistent grid (at most one block per SM), 128 x (1 + kGroups) threads; dynamic shared
-// memory = kStages stages + the epilogue's staging buffers + (slots + 1) ints (experts/gemm.py
+// memory = kStages stages + the epilogue's staging buffers + the row-tile table (experts/gemm.py
 // computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
 // (experts/gemm.py _maps: over the same bytes as w and scales).

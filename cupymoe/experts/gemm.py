@@ -115,11 +115,11 @@ class GemmConfig:
 
     def shared_bytes(self, fmt_code: int, slots: int) -> int:
         """Dynamic shared memory of a launch: the stages and the row-tile table of ``slots``."""
-        return self.stages * self.stage_bytes(fmt_code) + 4 * (slots + 1)
+        return self.stages * self.stage_bytes(fmt_code) + _table_bytes(slots)
 
     #: Static shared memory of the kernel, rounded up: the scale table (1 KB) and the scan's
-    #: warp totals.
-    static_bytes = 1024 + 64
+    #: warp totals (an int and a packed 64-bit class count per warp).
+    static_bytes = 1024 + 128
 
     @staticmethod
     def for_rows(
@@ -240,7 +240,7 @@ class WgmmaConfig:
     m_tiles = 16
     #: Static shared memory of the kernel, rounded up: the scale table (1 KB), the mbarriers
     #: and the scan's warp totals.
-    static_bytes = 1024 + 256
+    static_bytes = 1024 + 384
 
     def stage_bytes(self, fmt_code: int) -> int:
         """Activations, weights, and the scales padded to whole kilobytes (Gemm90 in
@@ -252,7 +252,7 @@ class WgmmaConfig:
         """Dynamic shared memory of a launch: 1 KB of slack to align the stages to 1024 bytes
         (the swizzle atoms), the stages, the epilogue's staging buffers, and the row-tile table
         of ``slots``."""
-        return 1024 + self.stages * self.stage_bytes(fmt_code) + _EPI_BYTES + 4 * (slots + 1)
+        return 1024 + self.stages * self.stage_bytes(fmt_code) + _EPI_BYTES + _table_bytes(slots)
 
 
 def wgmma_enabled() -> bool:
@@ -263,30 +263,55 @@ def wgmma_enabled() -> bool:
     return compute_capability() == 90
 
 
-def row_tiles(expert_offsets: Any, active: Any, bn: int) -> np.ndarray:
-    """NumPy transcription of the kernels' schedule scan: the first row tile of each active slot
-    and the total (``[slots + 1]``); slot ``j`` holds ``ceil(rows(active[j]) / bn)`` tiles."""
+def _table_bytes(slots: int) -> int:
+    """Shared memory of the kernels' row-tile table (gemm_items.cuh): ``slots + 2`` ints and a
+    16-bit slot per partial tile, rounded up to 16 bytes."""
+    return -(-(4 * (slots + 2) + 2 * slots) // 16) * 16
+
+
+def tile_classes(bn: int) -> int:
+    """Width classes of the row tiles (gemm_items.cuh TileClasses): widths ``bn - 32 c``."""
+    return bn // 32 if bn >= 64 else 1
+
+
+def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int, int]]:
+    """NumPy transcription of the kernels' schedule scan: every row tile of a launch in item
+    order, as ``(slot, first row within the expert, rows)``. Widest first: class 0 (the full
+    tiles and a last tile wider than ``bn - 32``) in slot order, then the experts' last, partial
+    tiles by width class (widths ``bn - 32 c``), each class in slot order."""
     off = np.asarray(expert_offsets, dtype=np.int64)
     act = np.asarray(active, dtype=np.int64)
-    rows = np.where(act >= 0, off[np.clip(act, 0, None) + 1] - off[np.clip(act, 0, None)], 0)
-    counts = -(-rows // bn)
-    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    valid = (act >= 0) & (act < len(off) - 1)
+    safe = np.where(valid, act, 0)
+    rows = np.where(valid, off[safe + 1] - off[safe], 0)
+    classes = tile_classes(bn)
+
+    def cls(rem: int) -> int:
+        return 0 if classes == 1 else (bn - -(-rem // 32) * 32) // 32
+
+    tiles: list[tuple[int, int, int]] = []
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(classes)]
+    for slot, r in enumerate(rows.tolist()):
+        full, rem = divmod(int(r), bn)
+        tiles += [(slot, t * bn, bn) for t in range(full)]
+        if rem:
+            (tiles if cls(rem) == 0 else parts[cls(rem)]).append((slot, full * bn, rem))
+    for c in range(1, classes):
+        tiles += parts[c]
+    return tiles
 
 
 def schedule_ref(
     expert_offsets: Any, active: Any, *, bn: int, col_blocks: int
 ) -> list[tuple[int, int, int, int]]:
     """Every work item of a launch in item order, as the kernels decode them:
-    ``(expert, first expanded row, rows, column block)``. Row tiles major, column block minor."""
-    start = row_tiles(expert_offsets, active, bn)
+    ``(expert, first expanded row, rows, column block)``. Row tiles major (:func:`row_tiles`),
+    column block minor."""
     off = np.asarray(expert_offsets, dtype=np.int64)
     items = []
-    for index in range(int(start[-1]) * col_blocks):
-        rt, cb = divmod(index, col_blocks)
-        slot = int(np.searchsorted(start, rt, side="right")) - 1
+    for slot, first, rows in row_tiles(expert_offsets, active, bn):
         e = int(active[slot])
-        row0 = int(off[e]) + (rt - int(start[slot])) * bn
-        items.append((e, row0, min(bn, int(off[e + 1]) - row0), cb))
+        items += [(e, int(off[e]) + first, rows, cb) for cb in range(col_blocks)]
     return items
 
 
