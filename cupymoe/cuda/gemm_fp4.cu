@@ -21,8 +21,8 @@
 // Pipeline. Every block is persistent: it walks work items i = blockIdx.x + j * gridDim.x, item =
 // (row tile of an active expert, column block), row tiles major so concurrent blocks share the
 // activation rows in L2. The row tiles of each active expert come from the expert maps on the
-// device (a block-wide scan of ceil(rows / kBN) over the active list, once per block): no host
-// read, every token count capturable. The K loop runs kStages-deep cp.async stages of 128 codes;
+// device (a block-wide scan over the active list, once per block, widest tiles first:
+// gemm_items.cuh): no host read, every token count capturable. The K loop runs kStages-deep cp.async stages of 128 codes;
 // the copy cursor runs kStages - 1 stages ahead across item boundaries, so one item's epilogue
 // overlaps the next item's first loads.
 //
