@@ -22,9 +22,9 @@
 // (row tile of an active expert, column block), row tiles major so concurrent blocks share the
 // activation rows in L2. The row tiles of each active expert come from the expert maps on the
 // device (a block-wide scan over the active list, once per block, widest tiles first:
-// gemm_items.cuh): no host read, every token count capturable. The K loop runs kStages-deep cp.async stages of 128 codes;
-// the copy cursor runs kStages - 1 stages ahead across item boundaries, so one item's epilogue
-// overlaps the next item's first loads.
+// gemm_items.cuh): no host read, every token count capturable. The K loop runs kStages-deep
+// cp.async stages of 128 codes; the copy cursor runs kStages - 1 stages ahead across item
+// boundaries, so one item's epilogue overlaps the next item's first loads.
 //
 // Warps. kWarpsM x kWarpsN warps; warp (wm, wn) owns kMT m-tiles and kNT n-tiles. Per stage a lane
 // reads the 2 x 16 bytes of its rows g, g + 8 of chunk t of each m-tile, decodes each 8-code word

@@ -52,7 +52,9 @@ template <int kBN> struct TileClasses {
     static constexpr int kClasses = kBN >= 64 ? kBN / 32 : 1;
     static_assert(kClasses <= 4, "16-bit counters of three partial classes");
     // The class of an expert's last tile of `rem` rows (0 < rem < kBN).
-    __device__ __forceinline__ static int of(int rem) { return kClasses == 1 ? 0 : (kBN - (rem + 31) / 32 * 32) / 32; }
+    __device__ __forceinline__ static int of(int rem) {
+        return kClasses == 1 ? 0 : (kBN - (rem + 31) / 32 * 32) / 32;
+    }
 };
 
 // The row-tile table of a launch in shared memory (scan_row_tiles):
