@@ -231,11 +231,11 @@ def main() -> int:
             )
     check("gemm mxfp4 fp16", lambda: gemm_case("mxfp4", np.float16, GEMM_TILINGS[1], 48, 96, 30))
     # The sm_90a wgmma kernel (H100 / H200 only): tails, a partial and several tiles per expert
-    # (widths 32, 64 and 128), MXFP4 with fp16.
+    # (m / 2 rows per expert: K-loop widths 16, 32 and 64; 128 in the layer cases), MXFP4 with fp16.
     from cupymoe.experts.gemm import WGMMA_TILINGS, wgmma_enabled
 
     if wgmma_enabled():
-        for m in (6, 74, 150):
+        for m in (6, 50, 74, 150):
             check(
                 f"gemm wgmma nvfp4 bf16 N=40 K=176 M={m}",
                 lambda mm=m: gemm_case("nvfp4", BF16, ("wgmma", *WGMMA_TILINGS[0]), 40, 176, mm),

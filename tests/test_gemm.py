@@ -240,7 +240,13 @@ CASES = [
     ("nvfp4", BF16, 16, 256, 128, 200, 4, "swiglu", False, "same"),  # one expert set: every row
     ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
     ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
+    # every wgmma width on both sides of its edge (16 / 32 / 64 / 128 rows; _EDGE_ROWS)
+    ("nvfp4", BF16, 16, 256, 128, 675, 1, "swiglu", True, "edges"),
 ]
+
+#: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (16, 32, 64, 128
+#: rows, the last partial tile of an expert) at, one below and one above its edge, and idle experts.
+_EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 64, 65, 127, 128, 129, 0)
 
 
 def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np.ndarray:
@@ -248,6 +254,10 @@ def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np
         return np.tile(np.arange(k, dtype=np.int32)[::-1], (m, 1))
     if kind == "all":
         return np.tile(np.arange(k, dtype=np.int32), (m, 1)) % e
+    if kind == "edges":
+        assert k == 1 and e == len(_EDGE_ROWS) and m == sum(_EDGE_ROWS)
+        ids = np.repeat(np.arange(e, dtype=np.int32), _EDGE_ROWS)
+        return rng.permutation(ids).reshape(m, 1)
     return _random_ids(rng, m, k, e)
 
 

@@ -71,10 +71,60 @@ namespace wg {
 // wgmma m64nNk16, fp32 accumulators, A (4 registers) from registers, B from the descriptor b;
 // scale_d = 0 overwrites the accumulators. Wgmma<N, T>::run; one specialisation per N and type.
 template <int kN, typename T> struct Wgmma;
-// Accumulator operands d[i .. i + 7] and the other operands of every wrapper below.
+// Accumulator operands d[i .. i + 7] (CM_WG_D4: d[i .. i + 3]) and the other operands of every
+// wrapper below.
 #define CM_WG_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CM_WG_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CM_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d)
+template <> struct Wgmma<8, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %9, 0; "
+            "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3"
+            "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }"
+            : CM_WG_D4(0)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<8, __half> {
+    __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %9, 0; "
+            "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
+            "%0, %1, %2, %3"
+            "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }"
+            : CM_WG_D4(0)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<16, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7"
+            "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+            : CM_WG_D8(0)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<16, __half> {
+    __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7"
+            "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
+            : CM_WG_D8(0)
+            : CM_WG_IN);
+    }
+};
 template <> struct Wgmma<32, __nv_bfloat16> {
     __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
                                                int scale_d) {
@@ -351,6 +401,17 @@ struct Gemm90 {
     static constexpr int kEpiStride = kBC * 2 + 16;
     static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
+    // K loops at wgmma widths 16 and 8 for tiles of up to 16 and 8 rows (an expert's only tile
+    // at 4-16 rows per expert): the tensor cores' time per group shrinks with the width, and
+    // with it the consumers' wait for the previous group before they rewrite its fragments
+    // (Qwen3.6 M = 256, 8 rows per expert: FC1 117 -> 112 -> 108 µs at widths 32 -> 16 -> 8;
+    // docs/kernels.md, eleventh round). Width 8 waits for each group (wait_group 0): with one
+    // group in flight ptxas would serialise its wgmma for want of registers (C7512), and at 8
+    // columns the tensor cores are done by the time the next fragments are decoded. Four
+    // consumer groups only, and not for the non-gated GELU and SiLU epilogues: with two groups
+    // the extra K loops make ptxas serialise the wgmma (C7512), and those two epilogues (erff,
+    // expf) spill with them.
+    static constexpr bool kNarrow = kGroups == 4 && kAct != 5 && kAct != 6;
     // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
     // 128, and with four consumer groups, one: the registers leave no room for more. With two
     // groups, narrow tiles finish a group's wgmma long before the next group's decode (a
@@ -541,17 +602,22 @@ struct Gemm90 {
         uint32_t phase = 0;    // the parity of the next stage's full barrier
         for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
             const Item it = item(index);
-            // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), so an expert's
-            // last, partial tile costs the tensor cores its rows, not kBN. The branch is per item
-            // (warp-group uniform) around whole K loops: ptxas serialises wgmma issued under a
-            // branch it cannot prove uniform.
+            // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), or to 8 or 16
+            // for tiles of up to 16 rows where kNarrow, so an expert's last, partial tile costs
+            // the tensor cores about its rows, not kBN. The branch is per item (warp-group uniform)
+            // around whole K loops: ptxas serialises wgmma issued under a branch it cannot prove
+            // uniform.
             const int width = min(kBN, (it.rows + 31) / 32 * 32);
             if (kBN >= 128 && width > 64) {
                 k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
             } else if (kBN >= 64 && width > 32) {
                 k_loop<kBN >= 64 ? 64 : 32>(acc, slot, phase, a_off, s_off);
-            } else {
+            } else if (!kNarrow || it.rows > 16) {
                 k_loop<32>(acc, slot, phase, a_off, s_off);
+            } else if (it.rows > 8) {
+                k_loop<kNarrow ? 16 : 32>(acc, slot, phase, a_off, s_off);
+            } else {
+                k_loop<kNarrow ? 8 : 32>(acc, slot, phase, a_off, s_off);
             }
             store_tile(it, group * 4 + warp, acc, ep);
         }
@@ -642,8 +708,9 @@ struct Gemm90 {
                 }
                 // The previous group done: its A registers may be rewritten (two groups'
                 // fragments live), and at the stage's first group the previous slot is free.
+                // Width 8 waits for this group too (kNarrow says why).
                 wgmma_commit();
-                wgmma_wait<1>();
+                wgmma_wait<kW == 8 ? 0 : 1>();
                 if (i0 == 0 && reading >= 0) mbar_arrive(empty + 8 * reading);
             }
             reading = slot;
@@ -700,6 +767,8 @@ struct Gemm90 {
                 for (int jh = 0; jh < kJH; ++jh)
 #pragma unroll
                     for (int v = 0; v < 2; ++v) {
+                        // Uniform: width 8 leaves n8 blocks past the item's 8 rows unwritten.
+                        if (kNarrow && kEpiRows * c + 8 * jh >= it.rows) break;
                         const int jb = kJH * c + jh;
                         const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;
                         if constexpr (kGated) {
