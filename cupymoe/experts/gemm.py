@@ -203,7 +203,8 @@ WGMMA_NARROW_MAX_ROWS_PER_EXPERT = 32
 #: bn 64 tiling 6-12 % below bn 128 at these rows, above): at 8 rows per expert FC1 126.7 |
 #: 159.9 (bn 64 in the layer 127.4), FC2 73.7 | 77.2 (bn 64 59.3); at 16 FC1 161.3 | 166.7 (bn 64
 #: 129.6), FC2 83.2 | 80.0 (bn 64 60.6); Qwen3.6 at 16 rows mma.sync FC1 157.7, FC2 98.7 (session
-#: 17) against bn 64's 132.0 and 74.7. Up to 8 rows per expert the GEMV serves these shapes.
+#: 17) against bn 64's 132.0 and 74.7. Up to 4 rows per expert the GEMV serves these shapes
+#: (since session 23: :data:`.handover.HAND_OVERS`).
 WGMMA_MIN_ROWS_PER_EXPERT = 8
 
 
