@@ -231,7 +231,8 @@ def main() -> int:
             )
     check("gemm mxfp4 fp16", lambda: gemm_case("mxfp4", np.float16, GEMM_TILINGS[1], 48, 96, 30))
     # The sm_90a wgmma kernel (H100 / H200 only): tails, a partial and several tiles per expert
-    # (m / 2 rows per expert: K-loop widths 16, 32 and 64; 128 in the layer cases), MXFP4 with fp16.
+    # (m / 2 rows per expert, 3 / 25 / 37 / 64 + 11: K-loop widths 8, 32, 64 and 16; 128 in the
+    # layer cases), MXFP4 with fp16.
     from cupymoe.experts.gemm import WGMMA_TILINGS, wgmma_enabled
 
     if wgmma_enabled():

@@ -209,7 +209,8 @@ def test_backend_rule() -> None:
     gemv, gemm = dispatch.Backend.GEMV, dispatch.Backend.GEMM
     split = WeightLayout.SPLIT
     assert dispatch.backend_for(64, 0, layout=split, n_experts=256) is gemv
-    # Qwen3.6 (E 256, top-8) M = 256: 8 rows per expert stays on the GEMV; 9 per expert does not
+    # the default hand-over (8 rows per expert; the presets' own rows hand over at 4), E 256:
+    # 8 rows per expert stays on the GEMV, 9 per expert does not
     assert dispatch.backend_for(2048, 0, layout=split, n_experts=256) is gemv
     assert dispatch.backend_for(2049 + 255, 0, layout=split, n_experts=256) is gemm
     assert dispatch.backend_for(10**6, 0, layout=WeightLayout.PAIR, n_experts=8) is gemv
@@ -240,12 +241,13 @@ CASES = [
     ("nvfp4", BF16, 16, 256, 128, 200, 4, "swiglu", False, "same"),  # one expert set: every row
     ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
     ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
-    # every wgmma width on both sides of its edge (16 / 32 / 64 / 128 rows; _EDGE_ROWS)
+    # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 64 / 128 rows; _EDGE_ROWS)
     ("nvfp4", BF16, 16, 256, 128, 675, 1, "swiglu", True, "edges"),
 ]
 
-#: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (16, 32, 64, 128
-#: rows, the last partial tile of an expert) at, one below and one above its edge, and idle experts.
+#: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (8, 16, 32, 64, 128
+#: rows; the last, partial tile of an expert) at and one above its edge, 15 and 31 below two of
+#: them, one row, and idle experts.
 _EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 64, 65, 127, 128, 129, 0)
 
 

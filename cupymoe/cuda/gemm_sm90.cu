@@ -17,7 +17,8 @@
 // weights and scales of a stage as one TMA box per matrix (3-D tensor maps over [expert, m-tile,
 // bytes of the tile's chunks], completing on the stage's "full" mbarrier with their byte count;
 // out-of-range m-tiles and chunks are zero-filled), and all 128 threads gather the activation rows
-// of the item's wgmma width through the expert map with 16-byte cp.async into the stage itself.
+// of the item (in passes of 32 rows, up to its wgmma width) through the expert map with 16-byte
+// cp.async into the stage itself.
 // One box per matrix rather than one copy per m-tile: the copy engine's cost is per request, and
 // 32-48 requests per stage bound the producer at few rows per item (docs/kernels.md, seventh
 // round). Groups 1 .. kGroups are the consumers: warp w of group c owns m-tiles 4 kGroups u + 4c
@@ -208,6 +209,7 @@ template <> struct Wgmma<128, __half> {
     }
 };
 #undef CM_WG_D8
+#undef CM_WG_D4
 #undef CM_WG_IN
 
 }  // namespace wg
@@ -468,8 +470,9 @@ struct Gemm90 {
         int st = 0, pub = 0;  // stages [pub, st) are gathered and not yet published
         for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
             const Item it = item(index);
-            // Only the rows the consumers' wgmma reads (the item's width, a multiple of 32) are
-            // gathered: passes past it would fill rows that no wgmma reads.
+            // Only the 32-row passes that the consumers' wgmma reads are gathered (its width
+            // rounded up to 32; the width-8 and width-16 loops read the first rows of one pass):
+            // passes past it would fill rows that no wgmma reads.
             const int passes = min(kBN, (it.rows + 31) / 32 * 32) / 32;
             const T* src[kRowPasses];
 #pragma unroll

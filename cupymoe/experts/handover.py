@@ -125,17 +125,17 @@ DEFAULT_HAND_OVER = HandOver(GEMV_MAX_ROWS_PER_EXPERT, WGMMA_MIN_ROWS_PER_EXPERT
 #: reads h in the split k order (``dispatch.permutes_h``): 71.2 | 58.3, layer 200.2 | 186.6;
 #: DeepSeek-V3 M = 256 FC1 1,592 | 1,449, FC2 829 | 726. Those two take the wgmma kernel from
 #: the bucket below 8. Session 23 (the wgmma kernel's width-16 K loop) again, layers µs (FC1 /
-#: FC2), GEMV | wgmma, ``.dev`` harness, two rounds: Qwen3.6 M = 256 (8 rows) 208.4 (120.8 / 70.3)
-#: | 187.4 (111.5 / 60.5), so Qwen3.6 takes the wgmma kernel from the bucket below 8 too; at 4
-#: rows the GEMV keeps every preset: Qwen3.6 M = 128 152.0 | 184.2, gpt-oss M = 32 137.2 |
-#: 170.9, DeepSeek-V3 M = 128 1,577-1,653 | 1,854-1,972.
+#: FC2), GEMV | wgmma, ``.dev`` harness, two rounds: Qwen3.6 M = 256 (8 rows) 207.5-208.4 (120.7
+#: / 70.5) | 186.3-187.4 (111.7 / 60.4), so Qwen3.6 takes the wgmma kernel from the bucket below
+#: 8 too; at 4 rows the GEMV keeps every preset: Qwen3.6 M = 128 151.7-152.0 | 184.2, gpt-oss
+#: M = 32 137.2-137.9 | 170.2-170.9, DeepSeek-V3 M = 128 1,577-1,653 | 1,854-1,972.
 HAND_OVERS: tuple[tuple[tuple[str, int, int, int], HandOver], ...] = (
     # Qwen3.6-35B-A3B (H 2048, I 512, E 256, top-8), NVFP4.
     # fc1: 8 rows GEMV 121.2 | mma 127.5 | wgmma 128.0; 16: 201.2 | 157.7 | 132.0;
-    # 32: 347.9 | 230.9 | 159.4. Session 23 at 8 rows: GEMV 120.8 | wgmma 111.5.
+    # 32: 347.9 | 230.9 | 159.4. Session 23 at 8 rows: GEMV 120.7 | wgmma 111.7.
     (("fc1", 512, 2048, 256), HandOver(4, 4)),
     # fc2: 8 rows GEMV 72.2 | mma 78.0 | wgmma 73.0; 16: 112.4 | 98.7 | 74.7;
-    # 32: 189.2 | 144.6 | 85.5. Session 23 at 8 rows: GEMV 70.3 | wgmma on split h 60.5.
+    # 32: 189.2 | 144.6 | 85.5. Session 23 at 8 rows: GEMV 70.5 | wgmma on split h 60.4.
     (("fc2", 2048, 512, 256), HandOver(4, 4)),
     # gpt-oss-20b (H 2880, I 2880, E 32, top-4), MXFP4.
     # fc1: 8 rows GEMV 123.8 | mma 126.7 | wgmma 127.4; 16: 188.0 | 161.3 | 129.6;
