@@ -145,3 +145,30 @@ def test_first_use_from_threads_compiles_once() -> None:
     for t in threads:
         t.join()
     assert len(got) == 8 and all(k is got[0] for k in got)
+
+
+def test_sass_tool_counts_loop_trips() -> None:
+    """scripts/sass.py --loops: each backward branch whose body issues the opcode, innermost first,
+    with its instruction count; addresses past 0xffff (kernels over 64 KB of code) included."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "sass.py"
+    spec = importlib.util.spec_from_file_location("sass_tool", path)
+    assert spec is not None and spec.loader is not None
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+
+    def line(addr: int, text: str) -> str:
+        return f"        /*{addr:04x}*/                   {text} ;"
+
+    body = [line(0xFFE0, "MOV R1, R2"), line(0xFFF0, "HGMMA.64x16x16.F32.BF16 R24, R80")]
+    body += [line(0x10000, "IADD3 R1, R1, 0x1, RZ"), line(0x10010, "@!P0 BRA 0xffe0")]
+    body += [line(0x10020, "HGMMA.64x16x16.F32.BF16 R24, R80"), line(0x10030, "BRA 0xffd0")]
+    listing = "\n".join([line(0xFFD0, "NOP"), *body, line(0x10040, "EXIT")])
+    assert sass.innermost_loops(listing, "HGMMA") == [
+        (0xFFE0, 0x10010, 4, 1),
+        (0xFFD0, 0x10030, 7, 2),
+    ]
+    assert sass.innermost_loops(listing, "EXIT") == []  # outside every loop
+    assert len([m for m in map(sass._OPCODE.match, listing.splitlines()) if m]) == 8
