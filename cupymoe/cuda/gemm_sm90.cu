@@ -609,7 +609,8 @@ struct Gemm90 {
             // for tiles of up to 16 rows where kNarrow, so an expert's last, partial tile costs
             // the tensor cores about its rows, not kBN. The branch is per item (warp-group uniform)
             // around whole K loops: ptxas serialises wgmma issued under a branch it cannot prove
-            // uniform.
+            // uniform. The kNarrow ternaries keep the width-8 and width-16 loops out of the other
+            // specialisations (their branches are never taken there).
             const int width = min(kBN, (it.rows + 31) / 32 * 32);
             if (kBN >= 128 && width > 64) {
                 k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
