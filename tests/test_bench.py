@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -101,16 +104,51 @@ def test_bench_tune_bad_options(args: list[str], match: str) -> None:
     assert result.exit_code == 2 and match in result.output
 
 
-def _bench_ceiling():  # type: ignore[no-untyped-def]
+def _benchmark(name: str):  # type: ignore[no-untyped-def]
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_ceiling.py"
-    spec = importlib.util.spec_from_file_location("bench_ceiling", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_ceiling():  # type: ignore[no-untyped-def]
+    return _benchmark("bench_ceiling")
+
+
+def test_ab_bookkeeping(tmp_path: Any) -> None:
+    """bench_ab: the case and tree arguments, the bitwise comparison against the first tree
+    (equal, a fraction of differing elements, missing), and the summary's ratios."""
+    ab = _benchmark("bench_ab")
+    assert ab.Case.parse("gpt-oss-20b:16,64") == ab.Case("gpt-oss-20b", (16, 64))
+    for bad in ("gpt-oss-20b", "gpt-oss-20b:", ":16", "x:0", "x:a"):
+        with pytest.raises(ValueError, match="--case"):
+            ab.Case.parse(bad)
+    (tmp_path / "cupymoe").mkdir()
+    (tmp_path / "cupymoe" / "__init__.py").write_text("")
+    assert ab.parse_tree(f"old={tmp_path}") == ("old", tmp_path.resolve())
+    with pytest.raises(ValueError, match="holds no cupymoe"):
+        ab.parse_tree(f"old={tmp_path / 'cupymoe'}")
+    with pytest.raises(ValueError, match="name=directory"):
+        ab.parse_tree(str(tmp_path))
+    cases = [ab.Case("p", (1, 8))]
+    y = np.arange(12, dtype=np.uint16).reshape(3, 4)
+    for name, m, v in (("a", 1, y), ("b", 1, y), ("a", 8, y), ("b", 8, y + (y == 5))):
+        np.save(tmp_path / f"{name}_p_{m}.npy", v)
+    got = ab.compare_outputs(tmp_path, ["a", "b", "c"], cases)
+    assert got == {"p:1:b": "bitwise", "p:1:c": "missing", "p:8:b": 1 / 12, "p:8:c": "missing"}
+    rows = [
+        {"tree": t, "preset": "p", "tokens": 1, "us": us, "stages_us": {"fc1": 1.0, "fc2": 2.0}}
+        for t, us in (("a", 10.0), ("b", 9.0), ("a", 11.0), ("b", 8.0))
+    ]
+    text = ab.table(rows, ["a", "b"], got)
+    assert text.startswith("p M=1: a 10.0 (1.0 / 2.0), 11.0 (1.0 / 2.0) | b 9.0")
+    assert text.endswith("x0.800 bitwise")
 
 
 def test_read_ceiling_bookkeeping() -> None:

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Whole layers of two or more package trees side by side (A/B), each run in its own process.
+
+Run on a GPU from the repository root::
+
+    git archive main cupymoe | (mkdir -p /tmp/main && tar -x -C /tmp/main)
+    python3 benchmarks/bench_ab.py --tree main=/tmp/main --tree new=. \\
+        --case qwen3.6-35b-a3b:256,1024 --case deepseek-v3:512 [--rounds 2] [--repeats 10] \\
+        [--hand-over ROWS] [--json ab.json]
+
+A tree is a directory that holds a ``cupymoe`` package (a checkout, or the ``git archive`` of
+one revision as above). Each round runs the trees in the order given, each in a fresh process
+with the tree first on ``PYTHONPATH`` (its own kernels, compiled into the shared kernel cache
+under their own source keys), so that clock drift between variants spreads over the rounds. A run
+times every case with :func:`cupymoe.bench.bench_preset` (CUDA-graph replays over a stack of
+layers, the median of ``--repeats``: µs per layer and per stage) and then runs one layer of fixed
+seeds at each M and keeps its output. The outputs of every tree are compared bitwise with the
+first tree's (a layout or schedule change should give the same bits; a numerics change will
+not). ``--hand-over ROWS`` moves every preset's GEMV/GEMM hand-over to ROWS rows per expert in
+every tree (the grouped GEMM above it), to time the GEMM where the GEMV would run.
+
+Prints one line per (preset, M): each tree's µs per layer (FC1 / FC2) per round, the ratio of
+each tree's best round to the first tree's, and whether the outputs are bitwise equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    preset: str
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        """``"preset:M,M,..."`` -> Case; ``ValueError`` naming the text."""
+        name, sep, ms = text.partition(":")
+        try:
+            tokens = tuple(int(m) for m in ms.split(","))
+        except ValueError:
+            tokens = ()
+        if not sep or not name or not tokens or min(tokens) < 1:
+            raise ValueError(f"--case: expected 'preset:M,M,...' with M >= 1, got {text!r}")
+        return cls(name, tokens)
+
+
+def parse_tree(text: str) -> tuple[str, Path]:
+    """``"name=dir"`` -> (name, dir); the directory must hold a ``cupymoe`` package."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not name.isidentifier():
+        raise ValueError(f"--tree: expected 'name=directory' with a plain name, got {text!r}")
+    root = Path(path).resolve()
+    if not (root / "cupymoe" / "__init__.py").is_file():
+        raise ValueError(f"--tree {name}: {root} holds no cupymoe package")
+    return name, root
+
+
+def run_worker(name: str, cases: Sequence[Case], repeats: int, hand_over: float, out: Path) -> None:
+    """One tree's run (in the process that imported that tree's cupymoe): times, then outputs."""
+    import cupy
+    import ml_dtypes
+
+    import cupymoe
+    from cupymoe import bench, presets
+    from cupymoe.experts import handover
+
+    if hand_over:
+        for key in list(handover._BY_SHAPE):
+            handover._BY_SHAPE[key] = handover.HandOver(hand_over, hand_over)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rows = []
+    for case in cases:
+        shape = presets.PRESETS[case.preset]
+        for r in bench.bench_preset(shape, case.tokens, dtype=bf16, repeats=repeats):
+            rows.append(
+                {
+                    "tree": name,
+                    "preset": case.preset,
+                    "tokens": r.tokens,
+                    "us": r.us_per_layer,
+                    "stages_us": r.stages_us,
+                }  # fmt: skip
+            )
+        layer = cupymoe.MoELayer(
+            **presets.random_layer_gpu(
+                shape, np.random.default_rng(5), seed=77, max_tokens=max(case.tokens)
+            )
+        )
+        rng = np.random.default_rng(9)
+        for m in case.tokens:
+            x = cupy.asarray(rng.standard_normal((m, shape.hidden)).astype(bf16))
+            logits = cupy.asarray(rng.standard_normal((m, shape.n_experts)).astype(np.float32))
+            y = cupy.asnumpy(layer(x, logits)).view(np.uint16)
+            np.save(out / f"{name}_{case.preset}_{m}.npy", y)
+    (out / f"{name}.json").write_text(json.dumps(rows))
+
+
+def compare_outputs(out: Path, names: Sequence[str], cases: Sequence[Case]) -> dict[str, Any]:
+    """Per (preset, M) and tree after the first: "bitwise", or the fraction of elements that
+    differ, or "missing"."""
+    result: dict[str, Any] = {}
+    for case in cases:
+        for m in case.tokens:
+            ref = np.load(out / f"{names[0]}_{case.preset}_{m}.npy")
+            for name in names[1:]:
+                path = out / f"{name}_{case.preset}_{m}.npy"
+                key = f"{case.preset}:{m}:{name}"
+                if not path.exists():
+                    result[key] = "missing"
+                    continue
+                got = np.load(path)
+                same = got.shape == ref.shape and bool(np.array_equal(got, ref))
+                result[key] = "bitwise" if same else float(np.mean(got != ref))
+    return result
+
+
+def table(rows: Sequence[dict[str, Any]], names: Sequence[str], compared: dict[str, Any]) -> str:
+    """The printed summary: per (preset, M), each tree's rounds as µs (FC1 / FC2), the best
+    round against the first tree's best, and the bitwise comparison."""
+    lines = []
+    keys = sorted({(r["preset"], r["tokens"]) for r in rows})
+    for preset, m in keys:
+        best: dict[str, float] = {}
+        parts = []
+        for name in names:
+            mine = [r for r in rows if (r["tree"], r["preset"], r["tokens"]) == (name, preset, m)]
+            if not mine:
+                continue
+            best[name] = min(r["us"] for r in mine)
+            runs = ", ".join(
+                f"{r['us']:.1f} ({r['stages_us'].get('fc1', 0):.1f} / "
+                f"{r['stages_us'].get('fc2', 0):.1f})"
+                for r in mine
+            )
+            ratio = f" x{best[name] / best[names[0]]:.3f}" if names[0] in best else ""
+            same = compared.get(f"{preset}:{m}:{name}", "")
+            parts.append(f"{name} {runs}{ratio if name != names[0] else ''} {same}".rstrip())
+        lines.append(f"{preset} M={m}: " + " | ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tree", action="append", default=[], help="name=directory (2 or more)")
+    ap.add_argument("--case", action="append", default=[], help="preset:M,M,...")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--hand-over", type=float, default=0.0, help="rows per expert (0: as is)")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cases = [Case.parse(c) for c in args.case]
+    if not cases:
+        ap.error("--case: at least one")
+    if args.worker:
+        run_worker(args.worker, cases, args.repeats, args.hand_over, args.out_dir)
+        return 0
+    trees = [parse_tree(t) for t in args.tree]
+    names = [n for n, _ in trees]
+    if len(trees) < 2 or len(set(names)) != len(names):
+        ap.error("--tree: two or more, with different names")
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats: at least 1")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for _ in range(args.rounds):
+            for name, root in trees:
+                env = dict(os.environ, PYTHONPATH=str(root))
+                cmd = [sys.executable, __file__, "--worker", name, "--out-dir", str(out),
+                       "--repeats", str(args.repeats), "--hand-over", str(args.hand_over),
+                       *(f"--case={c}" for c in args.case)]  # fmt: skip
+                subprocess.run(cmd, env=env, check=True)
+                rows += json.loads((out / f"{name}.json").read_text())
+        compared = compare_outputs(out, names, cases)
+    print(table(rows, names, compared), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "bitwise": compared}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
