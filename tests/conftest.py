@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
 import numpy as np
 import pytest
 
@@ -16,6 +22,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def repo_script() -> Callable[[str], ModuleType]:
+    """Loads a script of the repository (``"benchmarks/bench_ab.py"``, ``"scripts/sass.py"``) as
+    a module, registered in ``sys.modules`` (dataclasses look their module up there)."""
+
+    def load(relative: str) -> ModuleType:
+        path = Path(__file__).resolve().parents[1] / relative
+        name = path.stem
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture

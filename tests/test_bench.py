@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import numpy as np
@@ -104,27 +103,10 @@ def test_bench_tune_bad_options(args: list[str], match: str) -> None:
     assert result.exit_code == 2 and match in result.output
 
 
-def _benchmark(name: str):  # type: ignore[no-untyped-def]
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _bench_ceiling():  # type: ignore[no-untyped-def]
-    return _benchmark("bench_ceiling")
-
-
-def test_ab_bookkeeping(tmp_path: Any) -> None:
+def test_ab_bookkeeping(tmp_path: Any, repo_script: Any) -> None:
     """bench_ab: the case and tree arguments, the bitwise comparison against the first tree
     (equal, a fraction of differing elements, missing), and the summary's ratios."""
-    ab = _benchmark("bench_ab")
+    ab = repo_script("benchmarks/bench_ab.py")
     assert ab.Case.parse("gpt-oss-20b:16,64") == ab.Case("gpt-oss-20b", (16, 64))
     for bad in ("gpt-oss-20b", "gpt-oss-20b:", ":16", "x:0", "x:a"):
         with pytest.raises(ValueError, match="--case"):
@@ -151,8 +133,8 @@ def test_ab_bookkeeping(tmp_path: Any) -> None:
     assert text.endswith("x0.800 bitwise")
 
 
-def test_read_ceiling_bookkeeping() -> None:
-    bc = _bench_ceiling()
+def test_read_ceiling_bookkeeping(repo_script: Any) -> None:
+    bc = repo_script("benchmarks/bench_ceiling.py")
     results = [
         dict(preset="a", tokens=1, mode="graph", fc1_mb=36.0, fc1_us=12.0, fc2_mb=18.0, fc2_us=9.0),
         dict(preset="a", tokens=64, mode="eager", fc1_mb=1.0, fc1_us=1.0, fc2_mb=1.0, fc2_us=1.0),

@@ -4,6 +4,8 @@ specialisation the dispatchers can select (no GPU needed), and the typed launch 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -147,17 +149,10 @@ def test_first_use_from_threads_compiles_once() -> None:
     assert len(got) == 8 and all(k is got[0] for k in got)
 
 
-def test_sass_tool_counts_loop_trips() -> None:
+def test_sass_tool_counts_loop_trips(repo_script: Any) -> None:
     """scripts/sass.py --loops: each backward branch whose body issues the opcode, innermost first,
     with its instruction count; addresses past 0xffff (kernels over 64 KB of code) included."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "scripts" / "sass.py"
-    spec = importlib.util.spec_from_file_location("sass_tool", path)
-    assert spec is not None and spec.loader is not None
-    sass = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sass)
+    sass = repo_script("scripts/sass.py")
 
     def line(addr: int, text: str) -> str:
         return f"        /*{addr:04x}*/                   {text} ;"
