@@ -126,14 +126,20 @@ __device__ __forceinline__ void scan_row_tiles(const Params& p, int* tile_start)
     __syncthreads();
 }
 
-// Item `index` of a launch: row tile index / col_blocks in the order of scan_row_tiles, column
-// block the remainder.
+// Where item `index` of a launch lies, from the shared row-tile table alone: its slot, its column
+// block, and its row tile's index within the expert (-1: the expert's last, partial tile). Row
+// tile index / col_blocks in the order of scan_row_tiles, column block the remainder.
+struct ItemLoc {
+    int slot;
+    int tile;
+    int cblock;
+};
 template <int kBN>
-__device__ __forceinline__ Item decode_item(const Params& p, const int* tile_start, int col_blocks,
-                                            int index) {
+__device__ __forceinline__ ItemLoc locate_item(const Params& p, const int* tile_start, int col_blocks,
+                                               int index) {
     const int rt = index / col_blocks;
-    Item it;
-    it.cblock = index - rt * col_blocks;
+    ItemLoc loc;
+    loc.cblock = index - rt * col_blocks;
     const int total0 = tile_start[p.slots + 1];
     if (rt < total0) {
         int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi] (the total at slots)
@@ -141,20 +147,41 @@ __device__ __forceinline__ Item decode_item(const Params& p, const int* tile_sta
             const int mid = (lo + hi) >> 1;
             if (tile_start[mid] <= rt) lo = mid; else hi = mid;
         }
-        it.e = p.active[lo];
-        const int begin = p.expert_offsets[it.e];
-        const int end = p.expert_offsets[it.e + 1];
-        it.row0 = begin + (rt - tile_start[lo]) * kBN;
+        loc.slot = lo;
+        loc.tile = rt - tile_start[lo];
+    } else {
+        loc.slot = part_slots(tile_start, p.slots)[rt - total0];
+        loc.tile = -1;
+    }
+    return loc;
+}
+
+// The item at `loc` of expert e = active[loc.slot], whose rows are begin .. end - 1 (its
+// expert_offsets): the global loads are the caller's, so that a pipelined caller can issue them
+// ahead (gemm_sm90.cu's producer fetches its next item one load per stage).
+template <int kBN>
+__device__ __forceinline__ Item place_item(const ItemLoc& loc, int e, int begin, int end) {
+    Item it;
+    it.e = e;
+    it.cblock = loc.cblock;
+    if (loc.tile >= 0) {
+        it.row0 = begin + loc.tile * kBN;
         it.rows = min(kBN, end - it.row0);
     } else {
-        // An expert's last, partial tile.
-        it.e = p.active[part_slots(tile_start, p.slots)[rt - total0]];
-        const int begin = p.expert_offsets[it.e];
-        const int rows = p.expert_offsets[it.e + 1] - begin;
+        const int rows = end - begin;
         it.row0 = begin + rows / kBN * kBN;
         it.rows = rows % kBN;
     }
     return it;
+}
+
+// Item `index` of a launch.
+template <int kBN>
+__device__ __forceinline__ Item decode_item(const Params& p, const int* tile_start, int col_blocks,
+                                            int index) {
+    const ItemLoc loc = locate_item<kBN>(p, tile_start, col_blocks, index);
+    const int e = p.active[loc.slot];
+    return place_item<kBN>(loc, e, p.expert_offsets[e], p.expert_offsets[e + 1]);
 }
 
 }  // namespace
