@@ -55,12 +55,16 @@
 // memory throughput at 31 % tensor utilisation: the wgmma B reads conflicted. Descriptor of step
 // s: start kh * kBN * 128 + (s % 4) * 32, stride (8-row group) byte offset 1024.
 //
-// Synchronisation per stage slot: full (128 producer arrivals + the bulk copies' bytes) and empty
+// Synchronisation per stage slot: full (129 producer arrivals + the bulk copies' bytes) and empty
 // (one arrival per consumer thread, after the wgmma that read the slot completed). A producer
 // thread arrives once its copies of the stage have landed (cp.async.mbarrier.arrive) or, for a
-// regrouped stage, after it fenced its stores into the async proxy. Work items, their order and
-// the schedule scan are gemm_items.cuh's; the producer runs up to kStages stages ahead across
-// item boundaries, so one item's epilogue overlaps the next item's loads.
+// regrouped stage, after it fenced its stores into the async proxy; the issuing thread arrives
+// once more after it stored the stage's item record (expert, rows, column block), which the
+// consumers read at an item's first stage instead of decoding the item themselves. Work items,
+// their order and the schedule scan are gemm_items.cuh's; the producer runs up to kStages stages
+// ahead across item boundaries, so one item's epilogue overlaps the next item's loads, and
+// fetches each item's metadata (three dependent global loads) one load per stage during the
+// item before it, so that no item boundary waits on them.
 #include "common.cuh"
 #include "fp4_mma.cuh"
 #include "gemm_items.cuh"
@@ -435,6 +439,7 @@ struct Gemm90 {
     const uint32_t* table;  // 256 scale-table entries (shared)
     uint8_t* epi;           // the epilogue's two staging buffers (shared)
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
+    uint32_t recs;          // shared address of the kStages 16-byte item records (post_item)
     const TensorMap* map0;  // weights (FC1 gate), map1: FC1 up, smap: scales (parameter space)
     const TensorMap* map1;
     const TensorMap* smap;
@@ -457,8 +462,51 @@ struct Gemm90 {
         return kAct == 0 ? p.permuted_h != 0 : p.permuted_x != 0;
     }
 
-    __device__ __forceinline__ Item item(int index) const {
-        return decode_item<kBN>(p, tile_start, col_blocks(), index);
+    // The arrivals that complete a stage's full barrier (with its bulk copies' bytes): one per
+    // producer thread once its activation pieces are in place, and the issuing thread's record.
+    static constexpr int kFullArrivals = 128 + 1;
+
+    // The producer's next item, fetched during the item before it in three dependent global
+    // loads, one per stage (fetch_step): the expert id (active), the expert's rows
+    // (expert_offsets), the rows' sources (row_source). Each load has a stage's slot wait to
+    // land before the next step uses it. Decoded at the item's start, the three L2 round trips
+    // stalled the producer while the ring drained, once per item (an item is 4-56 stages).
+    struct Fetch {
+        ItemLoc loc;
+        int e, begin, end;
+        Item it;
+        int tok[kRowPasses];  // row_source of row n (FC1; the expanded row itself for FC2)
+    };
+    __device__ __forceinline__ void fetch_step(Fetch& f, int index, int step) const {
+        if (step == 0) {
+            f.loc = locate_item<kBN>(p, tile_start, col_blocks(), index);
+            f.e = p.active[f.loc.slot];
+        } else if (step == 1) {
+            f.begin = p.expert_offsets[f.e];
+            f.end = p.expert_offsets[f.e + 1];
+        } else {
+            f.it = place_item<kBN>(f.loc, f.e, f.begin, f.end);
+            const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+            for (int ps = 0; ps < kRowPasses; ++ps) {
+                const int n = ps * 32 + warp * 8 + lane % 8;
+                const int r = f.it.row0 + (n < f.it.rows ? n : 0);
+                f.tok[ps] = p.row_source ? p.row_source[r] : r;
+            }
+        }
+    }
+    static constexpr int kFetchSteps = 3;
+
+    // The stage's item for the consumers, who read the record of an item's first stage instead
+    // of decoding the item themselves (the same three dependent loads, before each K loop): a
+    // shared store, ordered before their full wait by this thread's release arrival.
+    __device__ __forceinline__ void post_item(int slot, const Item& it) const {
+        sts128(recs + 16 * slot, it.e, it.row0, it.rows, it.cblock);
+        mbar_arrive(full + 8 * slot);
+    }
+    __device__ __forceinline__ Item record(int slot) const {
+        const uint4 v = lds128s(recs + 16 * slot);
+        return Item{(int)v.x, (int)v.y, (int)v.z, (int)v.w};
     }
 
     // Producer group: bulk copies of weights and scales (warp 0), activation rows (all).
@@ -467,9 +515,15 @@ struct Gemm90 {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         const int q = lane / 8;  // this lane's pieces 32t + 8q of each row, t = 0..3
         const T* const x = static_cast<const T*>(p.x);
+        const bool issues = threadIdx.x == 0;  // the stage's TMA boxes, byte count and record
         int st = 0, pub = 0;  // stages [pub, st) are gathered and not yet published
+        Fetch cur, nxt;
+        if (blockIdx.x < n_items()) {  // the first item: the one fetch the producer waits for
+#pragma unroll
+            for (int step = 0; step < kFetchSteps; ++step) fetch_step(cur, blockIdx.x, step);
+        }
         for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
-            const Item it = item(index);
+            const Item it = cur.it;
             // Only the 32-row passes that the consumers' wgmma reads are gathered (its width
             // rounded up to 32; the width-8 and width-16 loops read the first rows of one pass):
             // passes past it would fill rows that no wgmma reads.
@@ -478,16 +532,17 @@ struct Gemm90 {
 #pragma unroll
             for (int ps = 0; ps < kRowPasses; ++ps) {
                 const int n = ps * 32 + warp * 8 + lane % 8;
-                const int r = it.row0 + (n < it.rows ? n : 0);
-                const int s = p.row_source ? p.row_source[r] / p.top_k : r;
+                const int s = p.row_source ? cur.tok[ps] / p.top_k : cur.tok[ps];
                 src[ps] = n < it.rows ? x + (size_t)s * p.k + 8 * q : nullptr;
             }
-            const bool issues = threadIdx.x == 0;  // the stage's TMA boxes and their byte count
             const int c1 = it.cblock * kBMT;
+            const int next = index + gridDim.x;
+            const bool more = next < n_items();
 
             for (int ks = 0; ks < ksteps; ++ks, ++st) {
                 const int slot = st % kStages;
                 const uint32_t parity = ((st / kStages) & 1) ^ 1;
+                if (more && ks < kFetchSteps) fetch_step(nxt, next, ks);  // lands during the wait
                 if (split_source() && (ks + 1) * kStageCodes <= p.k) {
                     // x already holds the stage in the B order: 16-byte pieces straight into
                     // their swizzled slots, no registers, so the producer moves on at once.
@@ -495,7 +550,10 @@ struct Gemm90 {
                     if (pub < st) flush(pub, st);  // a K tail's gathered stage before a whole one
                     ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                    if (issues) load_weights(stage, ks, c1, it.e, full + 8 * slot);
+                    if (issues) {
+                        load_weights(stage, ks, c1, it.e, full + 8 * slot);
+                        post_item(slot, it);
+                    }
 #pragma unroll
                     for (int ps = 0; ps < kRowPasses; ++ps) {
                         if (ps >= passes) break;  // uniform: the item's
@@ -517,7 +575,10 @@ struct Gemm90 {
                 }
                 mbar_wait(empty + 8 * slot, parity);
                 const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
-                if (issues) load_weights(stage, ks, c1, it.e, full + 8 * slot);
+                if (issues) {
+                    load_weights(stage, ks, c1, it.e, full + 8 * slot);
+                    post_item(slot, it);
+                }
                 // Piece t (codes 32t + 8q) of row n lands in the 16 bytes that this thread's
                 // regrouping will overwrite (half q / 2, logical chunk 4 (q % 2) + t), so the
                 // regrouping needs no other thread's data and no barrier.
@@ -541,6 +602,13 @@ struct Gemm90 {
                     ++pub;
                 }
             }
+            if (more) {  // K of fewer stages than fetch steps
+                for (int step = ksteps; step < kFetchSteps; ++step) fetch_step(nxt, next, step);
+            }
+            // Unconditional: after a block's last item nxt is unset and unused, and a
+            // conditional copy keeps cur alive beside it (12 bytes of spills in 18 four-group
+            // specialisations).
+            cur = nxt;
         }
         flush(pub, st);
     }
@@ -604,7 +672,8 @@ struct Gemm90 {
         int slot = 0, ep = 0;  // the next stage's slot; output chunks staged (the buffer parity)
         uint32_t phase = 0;    // the parity of the next stage's full barrier
         for (int index = blockIdx.x; index < n_items(); index += gridDim.x) {
-            const Item it = item(index);
+            mbar_wait(full + 8 * slot, phase);  // the item's first stage, and with it its record
+            const Item it = record(slot);
             // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), or to 8 or 16
             // for tiles of up to 16 rows where kNarrow, so an expert's last, partial tile costs
             // the tensor cores about its rows, not kBN. The branch is per item (warp-group uniform)
@@ -737,7 +806,11 @@ struct Gemm90 {
     __device__ __forceinline__ void store_tile(const Item& it, int w, const float (&acc)[kMT][kAcc],
                                                int& ep) const {
         const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-        const int post = -(Dec::kExp + kTableShift + p.scale_shift);
+        int post = -(Dec::kExp + kTableShift + p.scale_shift);
+        // Opaque per item: ldexpf's parts that depend on post alone would otherwise be hoisted
+        // out of the item loop and held across every K loop (two registers: the biased FC2
+        // consumers of four groups then spill).
+        asm volatile("" : "+r"(post));
         const float f0 = ldexpf(p.global0[it.e], post);
         const float f1 = kGated ? ldexpf(p.global1[it.e], post) : 0.0f;
         const int col0 = it.cblock * kBC;
@@ -829,7 +902,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     // The stages start at the first 1024-byte boundary (the launch adds 1 KB of slack).
     uint8_t* const dyn_smem = dyn_raw + ((1024u - (smem_u32(dyn_raw) & 1023u)) & 1023u);
     uint8_t* const epi = dyn_smem + kStages * G::kStageBytes;
-    int* tile_start = reinterpret_cast<int*>(epi + G::kEpiBytes);
+    uint8_t* const recs = epi + G::kEpiBytes;  // kStages item records of 16 bytes
+    int* tile_start = reinterpret_cast<int*>(recs + 16 * kStages);
 
     for (int i = threadIdx.x; i < 256; i += G::kThreads) {
         const uint32_t b = scale_bits<kFormat, T>(i, G::kTableShift + p.scale_shift);
@@ -838,7 +912,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     const uint32_t full = smem_u32(bars), empty = smem_u32(bars + kStages);
     if (threadIdx.x == 0) {
         for (int s = 0; s < kStages; ++s) {
-            mbar_init(full + 8 * s, 128);
+            mbar_init(full + 8 * s, G::kFullArrivals);
             mbar_init(empty + 8 * s, G::kCons);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -848,7 +922,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     scan_row_tiles<G::kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
-    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, map0, map1, smap,
+    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, smem_u32(recs), map0, map1, smap,
            (p.chunks + kStageChunks - 1) / kStageChunks};
     if (threadIdx.x < 128) {
         gemm.produce();
@@ -860,8 +934,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 }  // namespace
 
 // FC2: persistent grid (at most one block per SM), 128 x (1 + kGroups) threads; dynamic shared
-// memory = kStages stages + the epilogue's staging buffers + the row-tile table (experts/gemm.py
-// computes it).
+// memory = kStages stages + the epilogue's staging buffers + kStages item records + the row-tile
+// table (experts/gemm.py computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
 // (experts/gemm.py _maps: over the same bytes as w and scales).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages, int kGroups>
