@@ -159,3 +159,26 @@ def test_read_ceiling_bookkeeping(repo_script: Any) -> None:
     assert table[2].endswith("| 10.00 | no |") and table[3].endswith("| 5.00 | no |")
     assert "| 88 % |" in table[2]  # the ceiling over the GEMV: 10.5 / 12
     assert "| 10.50 | 76 % |" in table[2]  # 36 MB in 10.5 µs: 3.43 TB/s of 4.5
+
+
+def test_stream_probe_edits_the_current_kernel(repo_script: Any, tmp_path: Any) -> None:
+    """stream_probe: every probe's edits find their anchors in today's gemm_sm90.cu (exactly
+    once), change it as named, and refuse a kernel that moved on."""
+    probe = repo_script("benchmarks/stream_probe.py")
+    source = (probe.ROOT / probe.KERNEL).read_text()
+    unread = probe.probe_source(source, ["unread"])
+    assert unread.count("// PROBE unread") == 1 and "PROBE bulk" not in unread
+    bulk = probe.probe_source(source, ["bulk"])
+    assert "tma_load_3d(stage + kAOff" not in bulk and bulk.count("bulk_copy(") == 4
+    both = probe.probe_source(source, ["bulk", "unread"])
+    assert "// PROBE unread" in both and "PROBE bulk" in both
+    with pytest.raises(ValueError, match="unread: its anchor is in gemm_sm90.cu 0 times"):
+        probe.probe_source(unread.replace("fence_async_shared();  //", "x;  //"), ["unread"])
+    with pytest.raises(ValueError, match="unknown edit"):
+        probe.probe_source(source, ["nothing"])
+    trees = probe.write_probes(probe.ROOT, tmp_path)
+    assert sorted(trees) == ["bulk", "bulk_unread", "unread"]
+    for name, tree in trees.items():
+        edited = (tree / probe.KERNEL).read_text()
+        assert edited == probe.probe_source(source, probe.PROBES[name])
+        assert (tree / "cupymoe" / "__init__.py").is_file()

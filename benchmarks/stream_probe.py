@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The wgmma kernel against its own weight stream, by TMA boxes and by contiguous copies (probes).
+
+Run on an H100 / H200 from the repository root::
+
+    python3 benchmarks/stream_probe.py --case qwen3.6-35b-a3b:256,1024 --case deepseek-v3:512 \\
+        [--rounds 2] [--repeats 5] [--json probe.json]
+
+Writes three probe copies of this checkout's ``cupymoe`` into a temporary folder, each with one
+change to ``cuda/gemm_sm90.cu``, and times them against the checkout itself with
+``benchmarks/bench_ab.py`` (whole layers, each tree in its own process, alternating rounds):
+
+- ``unread``: the consumers release each stage as soon as it lands, without decoding it or
+  issuing its ``wgmma``: what is left is the producer's stream (weights, scales, activation
+  gather) and the item loop. The layer's output is not the layer's.
+- ``bulk``: the producer copies each stage's weights and scales as one contiguous
+  ``cp.async.bulk`` per matrix instead of the TMA boxes of 16 m-tile pieces: the byte count and
+  the contiguity of a stage-contiguous weight layout, over the bytes of the resident layout in
+  the wrong order (timing only; the output is wrong).
+- ``bulk_unread``: both.
+
+How to read it: the landed kernel against ``unread`` says how much the consumers add to the
+stream; ``unread`` against ``bulk_unread`` whether the box copies cap the stream (on the H100
+they streamed alike at the DRAM rate: ``benchmarks/h100_probes_s26.json``, docs/kernels.md,
+twelfth round). The patches name the code they replace; a kernel change that moves it makes
+this script fail loudly (``tests/test_bench.py`` checks the anchors on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL = Path("cupymoe") / "cuda" / "gemm_sm90.cu"
+
+# After a consumer's full wait in k_loop: release the slot at once and go to the next stage.
+_UNREAD = (
+    "            if (split_source()) fence_async_shared();  // the cp.async pieces, for wgmma\n",
+    "            mbar_arrive(empty + 8 * slot);  // PROBE unread\n"
+    "            if (++slot == kStages) slot = 0, phase ^= 1u;\n"
+    "            continue;\n",
+)
+# load_weights: the boxes replaced by contiguous bulk copies of the same byte count, from the
+# item's own m-tiles' bytes (clamped to the expert), so that every read stays in the allocation.
+_BULK_BOXES = (
+    "        tma_load_3d(stage + kAOff, map0, ks * kStageChunks * kUnitBytes / 8, c1, e, bar);\n"
+    "        if constexpr (kGated)\n"
+    "            tma_load_3d(stage + kAOff + kBMT * kMatTileBytes, map1, "
+    "ks * kStageChunks * kUnitBytes / 8, c1, e,\n"
+    "                        bar);\n"
+    "        tma_load_3d(stage + kSOff, smap, "
+    "ks * kStageChunks * kScaleChunkBytes / 8, c1, e, bar);",
+    "        // PROBE bulk: one contiguous copy per matrix, the stage's bytes (wrong order).\n"
+    "        const long long tiles = (p.n + kRowsPerTile - 1) / kRowsPerTile;\n"
+    "        const long long mrow = (long long)p.chunks * kUnitBytes, mexp = tiles * mrow;\n"
+    "        const long long span = kBMT * kMatTileBytes;\n"
+    "        const long long off = min((long long)c1 * mrow + (long long)ks * span, mexp - span);\n"
+    "        bulk_copy(stage + kAOff, p.w0 + e * mexp + off, (uint32_t)span, bar);\n"
+    "        if constexpr (kGated)\n"
+    "            bulk_copy(stage + kAOff + span, p.w1 + e * mexp + off, (uint32_t)span, bar);\n"
+    "        const long long srow = (long long)p.chunks * kScaleChunkBytes, sexp = tiles * srow;\n"
+    "        const long long sspan = kBMT * kScaleTileBytes;\n"
+    "        const long long so =\n"
+    "            min((long long)c1 * srow + (long long)ks * sspan, sexp - sspan);\n"
+    "        bulk_copy(stage + kSOff, p.scales + e * sexp + so, (uint32_t)sspan, bar);",
+)
+_BULK_COPY = (
+    "// Orders this thread's ordinary shared-memory stores before later async-proxy reads "
+    "(wgmma).\n",
+    "// PROBE bulk: a contiguous global -> shared copy completing on the mbarrier with its bytes.\n"
+    "__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,\n"
+    "                                          uint32_t bar) {\n"
+    '    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "\n'
+    '                 "[%0], [%1], %2, [%3];" ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)\n'
+    '                 : "memory");\n'
+    "}\n",
+)
+
+#: Probe name -> the (anchor, text) edits of gemm_sm90.cu: the anchor is replaced (bulk) or the
+#: text inserted after it (unread, bulk_copy's helper before its anchor).
+PROBES: dict[str, tuple[str, ...]] = {
+    "unread": ("unread",),
+    "bulk": ("bulk",),
+    "bulk_unread": ("bulk", "unread"),
+}
+
+
+def probe_source(source: str, edits: Sequence[str]) -> str:
+    """gemm_sm90.cu's text with the named edits (``"unread"``, ``"bulk"``); ``ValueError`` when
+    an anchor is not found exactly once (the kernel moved on: update the probe)."""
+
+    def once(text: str, anchor: str, new: str, what: str) -> str:
+        if text.count(anchor) != 1:
+            times = text.count(anchor)
+            raise ValueError(f"stream probe {what}: its anchor is in gemm_sm90.cu {times} times")
+        return text.replace(anchor, new)
+
+    for edit in edits:
+        if edit == "unread":
+            source = once(source, _UNREAD[0], _UNREAD[0] + _UNREAD[1], edit)
+        elif edit == "bulk":
+            source = once(source, _BULK_BOXES[0], _BULK_BOXES[1], edit)
+            source = once(source, _BULK_COPY[0], _BULK_COPY[1] + _BULK_COPY[0], edit)
+        else:
+            raise ValueError(f"stream probe: unknown edit {edit!r}")
+    return source
+
+
+def write_probes(root: Path, into: Path) -> dict[str, Path]:
+    """A copy of ``root``'s ``cupymoe`` per probe under ``into``, its kernel edited:
+    probe name -> tree."""
+    source = (root / KERNEL).read_text()
+    trees = {}
+    for name, edits in PROBES.items():
+        tree = into / name
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(root / "cupymoe", tree / "cupymoe", ignore=skip)
+        (tree / KERNEL).write_text(probe_source(source, edits))
+        trees[name] = tree
+    return trees
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", default=[], help="preset:M,M,... (bench_ab.py)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not args.case:
+        ap.error("give at least one --case")
+    spec = importlib.util.spec_from_file_location("bench_ab", ROOT / "benchmarks" / "bench_ab.py")
+    assert spec is not None and spec.loader is not None
+    bench_ab = importlib.util.module_from_spec(spec)
+    sys.modules["bench_ab"] = bench_ab
+    spec.loader.exec_module(bench_ab)
+    with tempfile.TemporaryDirectory(prefix="stream_probe_") as tmp:
+        trees = write_probes(ROOT, Path(tmp))
+        ab = ["--tree", f"landed={ROOT}"]
+        for name, tree in trees.items():
+            ab += ["--tree", f"{name}={tree}"]
+        for case in args.case:
+            ab += ["--case", case]
+        ab += ["--rounds", str(args.rounds), "--repeats", str(args.repeats)]
+        if args.json:
+            ab += ["--json", args.json]
+        return int(bench_ab.main(ab))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
