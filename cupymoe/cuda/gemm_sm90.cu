@@ -469,8 +469,8 @@ struct Gemm90 {
     // The producer's next item, fetched during the item before it in three dependent global
     // loads, one per stage (fetch_step): the expert id (active), the expert's rows
     // (expert_offsets), the rows' sources (row_source). Each load has a stage's slot wait to
-    // land before the next step uses it. Decoded at the item's start, the three L2 round trips
-    // stalled the producer while the ring drained, once per item (an item is 4-56 stages).
+    // land before the next step uses it, so an item's first copies never wait on its three L2
+    // round trips (an item is 4-56 stages).
     struct Fetch {
         ItemLoc loc;
         int e, begin, end;
