@@ -245,6 +245,17 @@ def main() -> int:
             "gemm wgmma mxfp4 fp16",
             lambda: gemm_case("mxfp4", np.float16, ("wgmma", *WGMMA_TILINGS[0]), 48, 96, 90),
         )
+        # bn 128 and bn 144 (138 rows per expert: one tile of 144 wide with the slack; 150: a
+        # full tile and a narrow one), the epilogue of bn 144 staged in a stage slot.
+        for tiling, m in (
+            (WGMMA_TILINGS[1], 300),
+            (WGMMA_TILINGS[2], 276),
+            (WGMMA_TILINGS[2], 300),
+        ):
+            check(
+                f"gemm wgmma nvfp4 bf16 bn={tiling[0]} N=40 K=176 M={m}",
+                lambda t=tiling, mm=m: gemm_case("nvfp4", BF16, ("wgmma", *t), 40, 176, mm),
+            )
         check("layer wgmma nvfp4 swiglu M=512", lambda: wgmma_layer_case("nvfp4", "swiglu", 512))
         check("layer wgmma mxfp4 relu M=512", lambda: wgmma_layer_case("mxfp4", "relu", 512))
     check("layer qwen M=40 bf16 (gemm)", lambda: layer_case("qwen3.6-35b-a3b", 40, BF16, True, 16))

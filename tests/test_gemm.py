@@ -23,6 +23,7 @@ from cupymoe.experts.gemm import (
     permute_split,
     row_tiles,
     schedule_ref,
+    tile_rows,
 )
 from cupymoe.experts.layouts import WeightLayout, split_positions
 from cupymoe.experts.reference import fc1_ref, fc2_ref
@@ -103,6 +104,33 @@ def test_row_tiles_widest_first() -> None:
     ]
 
 
+def test_row_tiles_with_slack() -> None:
+    # bn 144: tiles of 128 rows; a remainder of up to 16 joins the last full tile
+    assert tile_rows(144) == (128, 16) and tile_rows(128) == (128, 0) and tile_rows(16) == (16, 0)
+    offsets = np.cumsum([0, 130, 144, 145, 128, 100, 270, 300, 16])
+    active = np.arange(8)
+    assert row_tiles(offsets, active, 144) == [
+        (0, 0, 130),  # 128 + 2: one tile
+        (1, 0, 144),  # 128 + 16: one tile
+        (2, 0, 128),  # 128 + 17: a full tile and a narrow one (class 3, below)
+        (3, 0, 128),
+        (4, 0, 100),  # class 0: wider than 96
+        (5, 0, 128),
+        (5, 128, 142),  # 256 + 14: the second tile takes the remainder
+        (6, 0, 128),
+        (6, 128, 128),
+        (6, 256, 44),  # class 2
+        (2, 128, 17),  # class 3, slot order
+        (7, 0, 16),
+    ]
+    items = schedule_ref(offsets, active, bn=144, col_blocks=2)
+    covered = np.zeros(int(offsets[-1]), np.int64)
+    for _, row0, rows, cb in items:
+        assert 1 <= rows <= 144
+        covered[row0 : row0 + rows] += cb == 1
+    np.testing.assert_array_equal(covered, 1)
+
+
 @pytest.mark.parametrize("bn", [64, 128])
 def test_schedule_widths_never_grow(rng: np.random.Generator, bn: int) -> None:
     offsets, active = _maps(rng, 1000, 8, 64)  # about 125 rows per expert: every width occurs
@@ -149,8 +177,8 @@ def test_wgmma_config_table() -> None:
         WgmmaConfig(64, 5, 4.0)  # type: ignore[arg-type]
     assert WgmmaConfig(128, 4) == WgmmaConfig(128, 4, 2)  # two consumer groups unless named
     assert 4 <= WGMMA_MIN_ROWS_PER_EXPERT < 16  # between the measured ties and wins
-    # default_config: the narrow tiling first, the widest last
-    assert [t[0] for t in WGMMA_TILINGS] == [64, 128]
+    # wgmma_tiling: the narrow tiling first, then bn 128 and bn 144 (bn 128 with 16 rows of slack)
+    assert [t[0] for t in WGMMA_TILINGS] == [64, 128, 144]
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
         for fmt in (0, 1):  # a layer of 1,024 experts fits (bn 128: up to 1,385, bn 64: 6,502)
@@ -168,12 +196,17 @@ def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
     monkeypatch.setattr(gemm, "compute_capability", lambda: 90)
     monkeypatch.setattr(gemm, "max_shared_per_block", lambda: 227 * 1024)
     monkeypatch.delenv(gemm.ENV_WGMMA, raising=False)
-    wgmma = WgmmaConfig(*WGMMA_TILINGS[-1])
+    wgmma, wide = WgmmaConfig(*WGMMA_TILINGS[2]), WgmmaConfig(*WGMMA_TILINGS[1])
     assert gemm.default_config(256 * 128, 256, 0) == wgmma
-    # bn 64 up to its limit of rows per expert, with the same fallback
+    # bn 64 up to its limit of rows per expert, bn 144 within its window, bn 128 around it
     narrow, limit = WgmmaConfig(*WGMMA_TILINGS[0]), gemm.WGMMA_NARROW_MAX_ROWS_PER_EXPERT
+    low, high = (int(b) for b in gemm.WGMMA_SLACK_ROWS_PER_EXPERT)
     assert gemm.default_config(256 * limit, 256, 0) == narrow
-    assert gemm.default_config(256 * limit + 1, 256, 0) == wgmma
+    assert gemm.default_config(256 * limit + 1, 256, 0) == wide
+    assert gemm.default_config(256 * low, 256, 0) == wide
+    assert gemm.default_config(256 * low + 1, 256, 0) == wgmma
+    assert gemm.default_config(256 * high, 256, 0) == wgmma
+    assert gemm.default_config(256 * high + 1, 256, 0) == wide
     assert gemm.default_config(256 * 9, 256, 0, wgmma_min=8) == narrow
     assert isinstance(gemm.default_config(256 * 8, 256, 0, wgmma_min=8), GemmConfig)
 
@@ -190,6 +223,19 @@ def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
     assert gemm.default_config(fits * 128, fits, 0) == wgmma
     assert isinstance(gemm.default_config((fits + 1) * 128, fits + 1, 0), GemmConfig)
     assert isinstance(gemm.default_config(256 * 128, 256, 0, wgmma_min=128), GemmConfig)
+
+
+def test_wgmma_refuses_activations_past_its_row_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from cupymoe.experts import gemm
+
+    monkeypatch.setattr(gemm, "wgmma_enabled", lambda: True)
+    cfg = WgmmaConfig(*WGMMA_TILINGS[2])
+    gemm._check_runs_here(cfg, SimpleNamespace(shape=(2**22, 8 * 1023)))  # 2^32 - 2^22 pieces
+    with pytest.raises(ValueError, match="64 GB"):
+        gemm._check_runs_here(cfg, SimpleNamespace(shape=(2**22, 8 * 1024)))
+    gemm._check_runs_here(GemmConfig(*GEMM_TILINGS[0]), SimpleNamespace(shape=(2**22, 8 * 1024)))
 
 
 def test_wgmma_specs_target_sm90a() -> None:
@@ -241,14 +287,15 @@ CASES = [
     ("nvfp4", BF16, 16, 256, 128, 200, 4, "swiglu", False, "same"),  # one expert set: every row
     ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
     ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
-    # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 64 / 128 rows; _EDGE_ROWS)
-    ("nvfp4", BF16, 16, 256, 128, 675, 1, "swiglu", True, "edges"),
+    # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 64 / 128 / 144; _EDGE_ROWS)
+    ("nvfp4", BF16, 20, 256, 128, 1379, 1, "swiglu", True, "edges"),
 ]
 
 #: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (8, 16, 32, 64, 128
 #: rows; the last, partial tile of an expert) at and one above its edge, 15 and 31 below two of
-#: them, one row, and idle experts.
-_EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 64, 65, 127, 128, 129, 0)
+#: them, one row, and idle experts; bn 144's slack (a remainder of up to 16 rows joins the tile
+#: before it: 143, 144 and 272 rows, not 145).
+_EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 64, 65, 127, 128, 129, 0, 143, 144, 145, 272)
 
 
 def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np.ndarray:
@@ -601,7 +648,7 @@ def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
     ids = _random_ids(rng, m, k, e)
     routing = _device_routing(ids, e)
     offsets, rows, _, _ = expert_maps_ref(ids, e)
-    cfg = WgmmaConfig(*WGMMA_TILINGS[-1])
+    cfg = WgmmaConfig(*WGMMA_TILINGS[1])
     x = rng.standard_normal((m, h)).astype(BF16)
     out = cupy.full((m * k, i), np.nan, BF16)
     gemm_fc1(

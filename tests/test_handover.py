@@ -22,6 +22,7 @@ from cupymoe.experts.gemm import (
     WGMMA_TILINGS,
     GemmConfig,
     WgmmaConfig,
+    wgmma_tiling,
 )
 from cupymoe.experts.gemv import PreparedFc1, PreparedFc2, ResidentExperts
 from cupymoe.experts.handover import Backend, HandOver
@@ -134,7 +135,8 @@ def test_hand_over_rejects(value: object) -> None:
 
 
 # Qwen3.6 FC1 over 256 experts: the GEMV up to 4 rows per expert, then on compute capability 9.0
-# the wgmma kernel (bn 64 up to 32 rows per expert, bn 128 above), elsewhere the mma.sync table
+# the wgmma kernel (bn 64 up to 32 rows per expert, bn 144 above 112 and up to 160, bn 128
+# elsewhere above 32), elsewhere the mma.sync table
 @pytest.mark.parametrize(
     ("per_expert", "cc", "want"),
     [
@@ -144,6 +146,7 @@ def test_hand_over_rejects(value: object) -> None:
         (8, 90, "wgmma"),
         (32, 90, "wgmma"),
         (32 + 1 / 256, 90, "wgmma"),
+        (128, 90, "wgmma"),
         (512, 90, "wgmma"),
         (4 + 1 / 256, 80, "mma"),
         (512, 80, "mma"),
@@ -161,7 +164,7 @@ def test_analytic_choice(device: dict[str, Any], per_expert: float, cc: int, wan
     if want == "mma":
         assert config == GemmConfig.for_rows(rows, E, fmt_code=NVFP4, max_shared=227 * 1024)
     if want == "wgmma":
-        assert config == WgmmaConfig(*WGMMA_TILINGS[0 if per_expert <= 32 else -1])
+        assert config == wgmma_tiling(rows / min(rows, E))
     hand = handover.hand_over_for("fc1", N, K, E)
     got = dispatch.backend_for(rows, 0, layout=WeightLayout.SPLIT, n_experts=E, hand_over=hand)
     assert got is backend  # the analytic rule of dispatch agrees

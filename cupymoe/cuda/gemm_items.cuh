@@ -41,20 +41,41 @@ struct Item {
     int cblock;  // column block: m-tiles cblock * kBMT ..
 };
 
+// An expert's rows in row tiles of kTile rows; a last remainder of up to kSlack rows joins the
+// tile before it (kBN 144: tiles of 128 rows, the last of up to 144), so that an expert of 129
+// to 144 rows is one item instead of a full one and a narrow one, which costs about half a full
+// one in the consumers' decode (docs/kernels.md, fourteenth round).
+//
 // Row tiles in order of width, widest first, so that the static round-robin of items over the
 // persistent grid ends on the cheapest items (a block's items take time in proportion to their
 // wgmma width, and an expert's last, partial tile is narrower): width class c (c = 0 ..
-// kClasses - 1) holds the tiles of width kBN - 32c, 32-row multiples. Class 0 is every full
-// tile (and a last tile wider than kBN - 32), the other classes at most one tile per expert. The
-// order is class 0 in slot order, then each further class in slot order; the modelled
-// makespan at 32-512 rows per expert gained 5-12 % (docs/kernels.md, tenth round).
+// kClasses - 1) holds the tiles of width kTile - 32c, 32-row multiples, the last class also every
+// narrower one. Class 0 is every full tile (and a last tile wider than kTile - 32, or one that
+// took a remainder: up to kBN rows), the other classes at most one tile per expert. The order
+// is class 0 in slot order, then each further class in slot order; the modelled makespan at
+// 32-512 rows per expert gained 5-12 % (docs/kernels.md, tenth round).
 template <int kBN> struct TileClasses {
-    static constexpr int kClasses = kBN >= 64 ? kBN / 32 : 1;
-    static_assert(kClasses <= 4, "16-bit counters of three partial classes");
-    // The class of an expert's last tile of `rem` rows (0 < rem < kBN).
+    static constexpr int kSlack = kBN > 128 ? kBN - 128 : 0;
+    static constexpr int kTile = kBN - kSlack;
+    // At most four: 16-bit counters of three partial classes (scan_row_tiles).
+    static constexpr int kClasses = kTile >= 64 ? (kTile / 32 < 4 ? kTile / 32 : 4) : 1;
+    // The class of an expert's last tile of `rem` rows (0 < rem < kTile).
     __device__ __forceinline__ static int of(int rem) {
-        return kClasses == 1 ? 0 : (kBN - (rem + 31) / 32 * 32) / 32;
+        return kClasses == 1 ? 0 : min((kTile - rem) / 32, kClasses - 1);
     }
+    // An expert of `rows` rows: its class-0 tiles (the return value) and the class of its
+    // partial tile in `part` (0: none, or the partial tile is one of the class-0 tiles).
+    __device__ __forceinline__ static int split(int rows, int& part) {
+        const int full = rows / kTile, rem = rows % kTile;
+        if (rem == 0 || (full > 0 && rem <= kSlack)) {
+            part = 0;
+            return full;
+        }
+        part = of(rem);
+        return full + (part == 0);
+    }
+    // Rows of a class-0 tile with `left` rows of its expert from its first on.
+    __device__ __forceinline__ static int tile_rows(int left) { return left <= kBN ? left : kTile; }
 };
 
 // The row-tile table of a launch in shared memory (scan_row_tiles):
@@ -82,13 +103,17 @@ __device__ __forceinline__ void scan_row_tiles(const Params& p, int* tile_start)
     for (int j = j0; j < j1; ++j) {
         const int e = p.active[j];
         const int rows = e >= 0 && e < p.n_experts ? p.expert_offsets[e + 1] - p.expert_offsets[e] : 0;
-        const int rem = rows % kBN, c = rem ? C::of(rem) : 0;
-        const int count = rows / kBN + (rem && c == 0);
-        tile_start[j] = count | (rem && c ? c << 29 : 0);  // held until the write pass below
+        int c;
+        const int count = C::split(rows, c);
+        tile_start[j] = count | (c << 29);  // held until the write pass below
         sum += count;
-        if (rem && c) part += 1ull << (16 * (c - 1));
+        if (c) part += 1ull << (16 * (c - 1));
     }
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    // %laneid rather than threadIdx.x % 32: the wgmma producer's lane arithmetic would otherwise
+    // share it and hold it across setmaxnreg, which spills at kBN 144's 56 registers.
+    int lane;
+    asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+    const int warp = threadIdx.x / 32;
     int incl = sum;
     unsigned long long pincl = part;
 #pragma unroll
@@ -161,16 +186,17 @@ __device__ __forceinline__ ItemLoc locate_item(const Params& p, const int* tile_
 // ahead (gemm_sm90.cu's producer fetches its next item one load per stage).
 template <int kBN>
 __device__ __forceinline__ Item place_item(const ItemLoc& loc, int e, int begin, int end) {
+    using C = TileClasses<kBN>;
     Item it;
     it.e = e;
     it.cblock = loc.cblock;
     if (loc.tile >= 0) {
-        it.row0 = begin + loc.tile * kBN;
-        it.rows = min(kBN, end - it.row0);
+        it.row0 = begin + loc.tile * C::kTile;
+        it.rows = C::tile_rows(end - it.row0);
     } else {
         const int rows = end - begin;
-        it.row0 = begin + rows / kBN * kBN;
-        it.rows = rows % kBN;
+        it.row0 = begin + rows / C::kTile * C::kTile;
+        it.rows = rows % C::kTile;
     }
     return it;
 }

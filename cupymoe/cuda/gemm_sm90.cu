@@ -32,8 +32,9 @@
 // exact 16-bit block-scale multiply, fp4_mma.cuh) and issues them as wgmma against the stage's
 // activations: the decode is shared by kBN tokens, B never passes through registers, and the
 // decode of the next m-tile overlaps the tensor cores' work on this one. setmaxnreg gives the
-// consumers 200 registers (two m-tiles' accumulators) and the producer 104, or with four groups
-// 104 and 64.
+// consumers 200 registers (two m-tiles' accumulators) and the producer 104, at kBN 144 224 and
+// 56, or with four groups 104 and 64. kBN 144 is kBN 128 whose last row tile of an expert takes
+// up to 16 more rows (gemm_items.cuh TileClasses), in a wgmma of N = 144.
 //
 // The k order. In the split layout lane t holds chunk t (codes 32t .. 32t + 31) and the A fragment
 // of k16 step (q, h) takes codes 8q + 4h + {0, 1} (logical k 2t, 2t + 1) and 8q + 4h + {2, 3}
@@ -212,6 +213,40 @@ template <> struct Wgmma<128, __half> {
             : CM_WG_IN);
     }
 };
+template <> struct Wgmma<144, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[72], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %77, 0; "
+            "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+            "%64, %65, %66, %67, %68, %69, %70, %71"
+            "}, {%72, %73, %74, %75}, %76, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24), CM_WG_D8(32),
+              CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56), CM_WG_D8(64)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<144, __half> {
+    __device__ __forceinline__ static void run(float (&d)[72], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %77, 0; "
+            "wgmma.mma_async.sync.aligned.m64n144k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+            "%64, %65, %66, %67, %68, %69, %70, %71"
+            "}, {%72, %73, %74, %75}, %76, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24), CM_WG_D8(32),
+              CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56), CM_WG_D8(64)
+            : CM_WG_IN);
+    }
+};
 #undef CM_WG_D8
 #undef CM_WG_D4
 #undef CM_WG_IN
@@ -386,18 +421,22 @@ struct Gemm90 {
     static constexpr int kThreads = 128 * (1 + kGroups);
     static constexpr int kCons = 128 * kGroups;  // consumer threads
     // Registers per thread after the split (setmaxnreg), which only redistributes the block's
-    // launch allocation (65536 / kThreads, rounded down to 8): 384 x 168 = 128 x 104 + 256 x 200,
-    // 640 x 96 = 128 x 64 + 512 x 104. A consumer holds kMT x kAcc accumulators and the A
-    // fragments of two wgmma groups: ptxas serialises the wgmma (C7512) at 192 with two m-tiles,
-    // and with one m-tile at 104 once a group holds two fragments. The producer spills below 104
-    // with publish's row passes unrolled; with four groups it publishes one pass at a time in 64.
-    static constexpr int kProducerRegs = kGroups == 4 ? 64 : 104;
-    static constexpr int kConsumerRegs = kGroups == 4 ? 104 : 200;
+    // launch allocation (65536 / kThreads, rounded down to 8): 384 x 168 = 128 x 104 + 256 x 200
+    // = 128 x 56 + 256 x 224, 640 x 96 = 128 x 64 + 512 x 104. A consumer holds kMT x kAcc
+    // accumulators and the A fragments of two wgmma groups: ptxas serialises the wgmma (C7512)
+    // at 192 with two m-tiles of 64 accumulators and at 216 with two of 72 (kBN 144), and with
+    // one m-tile at 104 once a group holds two fragments. The producer spills below 104 with
+    // publish's row passes unrolled; with four groups or at kBN 144 it publishes one pass at a
+    // time, in 64 and 56.
+    static constexpr int kProducerRegs = kGroups == 4 ? 64 : kBN > 128 ? 56 : 104;
+    static constexpr int kConsumerRegs = kGroups == 4 ? 104 : kBN > 128 ? 224 : 200;
     static_assert(128 * kProducerRegs + kCons * kConsumerRegs <= 65536 / kThreads / 8 * 8 * kThreads,
                   "setmaxnreg redistributes the block's own registers");
     static constexpr int kHalfBytes = kBN * 128;                  // B: 64 logical k of kBN rows
     static constexpr int kAcc = kBN / 2;                          // accumulators per thread
     static constexpr int kRowPasses = (kBN + 31) / 32;            // producer: 32 rows per pass
+    // Row n of a producer pass within the tile (kBN 144: the last pass's first 16 rows only).
+    __device__ __forceinline__ static constexpr bool in_tile(int n) { return kBN % 32 == 0 || n < kBN; }
     // The epilogue stages the output through shared memory, kEpiRows rows at a time, in two
     // buffers of the widest tile (experts/gemm.py _EPI_BYTES); a staged row is the tile's kBC
     // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
@@ -406,6 +445,11 @@ struct Gemm90 {
     static constexpr int kJH = 2;  // n8 blocks per staged chunk
     static constexpr int kEpiStride = kBC * 2 + 16;
     static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
+    // kBN 144: the staging buffers are the item's last stage slot, released to the producer only
+    // after the epilogue, so that four stages fit the block's shared memory (three ran full
+    // 128-row tiles 2-10 % slower: the ring refills during an epilogue).
+    static constexpr bool kEpiInSlot = kBN > 128;
+    static_assert(!kEpiInSlot || kEpiBytes <= kStageBytes, "the staging buffers fit a slot");
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     // K loops at wgmma widths 16 and 8 for tiles of up to 16 and 8 rows (an expert's only tile
     // at 4-16 rows per expert): the tensor cores' time per group shrinks with the width, and
@@ -424,7 +468,7 @@ struct Gemm90 {
     // dependent chain of shared loads and ALU work) is done, so they decode several independent
     // chains at once.
     static constexpr int kBatch = kBN >= 128 || kGroups == 4 ? 1 : kBN >= 64 ? 2 : 4 * kMT;
-    static_assert(kBN % 32 == 0 && kBN >= 32 && kBN <= 128, "kBN: 32, 64, 96 or 128");
+    static_assert((kBN % 32 == 0 && kBN >= 32 && kBN <= 128) || kBN == 144, "kBN: 32, 64, 96, 128 or 144");
     static_assert(kStageBytes % 1024 == 0 && kBMT % 8 == 0, "stage alignment");
     // The producer publishes a gathered slot kLag stages after its copies: the copies land while
     // it issues the next stages'. It waits on a slot's empty barrier with kLag slots unpublished,
@@ -437,7 +481,7 @@ struct Gemm90 {
     uint8_t* smem;
     const int* tile_start;  // the row-tile table (gemm_items.cuh scan_row_tiles; shared)
     const uint32_t* table;  // 256 scale-table entries (shared)
-    uint8_t* epi;           // the epilogue's two staging buffers (shared)
+    uint8_t* epi;           // the epilogue's two staging buffers (shared; null where kEpiInSlot)
     uint32_t full, empty;   // shared addresses of the kStages "full" and "empty" mbarriers
     uint32_t recs;          // shared address of the kStages 16-byte item records (post_item)
     const TensorMap* map0;  // weights (FC1 gate), map1: FC1 up, smap: scales (parameter space)
@@ -475,7 +519,9 @@ struct Gemm90 {
         ItemLoc loc;
         int e, begin, end;
         Item it;
-        int tok[kRowPasses];  // row_source of row n (FC1; the expanded row itself for FC2)
+        // Where row n of each pass starts in x, in 16-byte units (k % 8 == 0), or kNoRow: 32
+        // bits rather than a pointer, for the producer's registers (56 at kBN 144).
+        uint32_t src[kRowPasses];
     };
     __device__ __forceinline__ void fetch_step(Fetch& f, int index, int step) const {
         if (step == 0) {
@@ -491,11 +537,13 @@ struct Gemm90 {
             for (int ps = 0; ps < kRowPasses; ++ps) {
                 const int n = ps * 32 + warp * 8 + lane % 8;
                 const int r = f.it.row0 + (n < f.it.rows ? n : 0);
-                f.tok[ps] = p.row_source ? p.row_source[r] : r;
+                const int s = p.row_source ? p.row_source[r] / p.top_k : r;  // x's row
+                f.src[ps] = n < f.it.rows ? (uint32_t)s * (uint32_t)(p.k / 8) : kNoRow;
             }
         }
     }
     static constexpr int kFetchSteps = 3;
+    static constexpr uint32_t kNoRow = 0xFFFFFFFFu;
 
     // The stage's item for the consumers, who read the record of an item's first stage instead
     // of decoding the item themselves (the same three dependent loads, before each K loop): a
@@ -527,14 +575,10 @@ struct Gemm90 {
             // Only the 32-row passes that the consumers' wgmma reads are gathered (its width
             // rounded up to 32; the width-8 and width-16 loops read the first rows of one pass):
             // passes past it would fill rows that no wgmma reads.
-            const int passes = min(kBN, (it.rows + 31) / 32 * 32) / 32;
-            const T* src[kRowPasses];
+            const int passes = (it.rows + 31) / 32;  // it.rows <= kBN
+            uint32_t src[kRowPasses];
 #pragma unroll
-            for (int ps = 0; ps < kRowPasses; ++ps) {
-                const int n = ps * 32 + warp * 8 + lane % 8;
-                const int s = p.row_source ? cur.tok[ps] / p.top_k : cur.tok[ps];
-                src[ps] = n < it.rows ? x + (size_t)s * p.k + 8 * q : nullptr;
-            }
+            for (int ps = 0; ps < kRowPasses; ++ps) src[ps] = cur.src[ps];
             const int c1 = it.cblock * kBMT;
             const int next = index + gridDim.x;
             const bool more = next < n_items();
@@ -558,16 +602,20 @@ struct Gemm90 {
                     for (int ps = 0; ps < kRowPasses; ++ps) {
                         if (ps >= passes) break;  // uniform: the item's
                         const int n = ps * 32 + warp * 8 + lane % 8;
+                        if (!in_tile(n)) continue;  // uniform: the warp's
                         const uint32_t row = stage + n * 128;
-                        const T* const from = src[ps] != nullptr ? src[ps] - 8 * q + ks * kStageCodes : x;
+                        const bool live = src[ps] != kNoRow;
+                        // A row that is not live reads nothing: x stands in as a valid address.
+                        const T* const from = (live ? x + (size_t)src[ps] * 8 + ks * kStageCodes : x) + 8 * q;
+                        int r = n % 8;  // opaque, as in the regrouping path below
+                        asm volatile("" : "+r"(r));
 #pragma unroll
                         for (int c = 0; c < 4; ++c) {
                             // Piece 4c + q: the 4 lanes of a row copy 64 contiguous bytes (whole
                             // sectors) per instruction; it goes to half c / 2, chunk 4 (c % 2) + q.
                             const int j = 4 * (c % 2) + q;
-                            cp_async16(row + (c / 2) * kHalfBytes + (j ^ (n % 8)) * 16,
-                                       from + (src[ps] != nullptr ? 8 * (4 * c + q) : 0),
-                                       src[ps] != nullptr ? 16u : 0u);
+                            cp_async16(row + (c / 2) * kHalfBytes + (j ^ r) * 16,
+                                       from + 32 * c, live ? 16u : 0u);
                         }
                     }
                     cp_async_arrive(full + 8 * slot);
@@ -586,13 +634,18 @@ struct Gemm90 {
                 for (int ps = 0; ps < kRowPasses; ++ps) {
                     if (ps >= passes) break;  // uniform: the item's
                     const int n = ps * 32 + warp * 8 + lane % 8;
+                    if (!in_tile(n)) continue;  // uniform: the warp's
                     const uint32_t row = stage + (q / 2) * kHalfBytes + n * 128;
+                    // Opaque: ptxas would hoist the pieces' swizzled offsets of every pass out
+                    // of the item loop and, in kBN 144's 56 registers, spill them.
+                    int r = n % 8;
+                    asm volatile("" : "+r"(r));
 #pragma unroll
                     for (int t = 0; t < 4; ++t) {
                         const int k = ks * kStageCodes + 32 * t + 8 * q;
-                        const bool live = src[ps] != nullptr && k < p.k;
-                        cp_async16(row + ((4 * (q % 2) + t) ^ (n % 8)) * 16,
-                                   live ? src[ps] + ks * kStageCodes + 32 * t : x, live ? 16u : 0u);
+                        const bool live = src[ps] != kNoRow && k < p.k;
+                        cp_async16(row + ((4 * (q % 2) + t) ^ r) * 16,
+                                   live ? x + (size_t)src[ps] * 8 + k : x, live ? 16u : 0u);
                     }
                 }
                 cp_async_commit();
@@ -639,9 +692,10 @@ struct Gemm90 {
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, q = lane / 8;
         const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
         // One pass at a time where four consumer groups leave the producer 64 registers.
-#pragma unroll(kGroups == 4 ? 1 : kRowPasses)
+#pragma unroll(kGroups == 4 || kBN > 128 ? 1 : kRowPasses)
         for (int ps = 0; ps < kRowPasses; ++ps) {
             const int n = ps * 32 + warp * 8 + lane % 8;
+            if (!in_tile(n)) continue;  // uniform: the warp's
             const int off = (q / 2) * kHalfBytes + n * 128, j0 = 4 * (q % 2), r = n % 8;
             const uint8_t* const from = smem + slot * kStageBytes + off;
             uint4 u[4];
@@ -681,18 +735,31 @@ struct Gemm90 {
             // uniform. The kNarrow ternaries keep the width-8 and width-16 loops out of the other
             // specialisations (their branches are never taken there).
             const int width = min(kBN, (it.rows + 31) / 32 * 32);
-            if (kBN >= 128 && width > 64) {
-                k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
+            int last;  // the item's last slot
+            if (kBN > 128 && width > 128) {
+                last = k_loop<(kBN > 128 ? kBN : 32)>(acc, slot, phase, a_off, s_off);
+            } else if (kBN >= 128 && width > 64) {
+                last = k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
             } else if (kBN >= 64 && width > 32) {
-                k_loop<kBN >= 64 ? 64 : 32>(acc, slot, phase, a_off, s_off);
+                last = k_loop<kBN >= 64 ? 64 : 32>(acc, slot, phase, a_off, s_off);
             } else if (!kNarrow || it.rows > 16) {
-                k_loop<32>(acc, slot, phase, a_off, s_off);
+                last = k_loop<32>(acc, slot, phase, a_off, s_off);
             } else if (it.rows > 8) {
-                k_loop<kNarrow ? 16 : 32>(acc, slot, phase, a_off, s_off);
+                last = k_loop<kNarrow ? 16 : 32>(acc, slot, phase, a_off, s_off);
             } else {
-                k_loop<kNarrow ? 8 : 32>(acc, slot, phase, a_off, s_off);
+                last = k_loop<kNarrow ? 8 : 32>(acc, slot, phase, a_off, s_off);
             }
-            store_tile(it, group * 4 + warp, acc, ep);
+            if constexpr (kEpiInSlot) {
+                // Both groups' wgmma done with the slot before either stages into it: the groups
+                // leave their K loops apart, up to two stages.
+                asm volatile("bar.sync 1, %0;" ::"n"(kCons) : "memory");
+                store_tile(it, group * 4 + warp, acc, ep, smem + last * kStageBytes);
+                // The slot's generic-proxy accesses before the producer's bulk copies into it.
+                fence_async_shared();
+                mbar_arrive(empty + 8 * last);
+            } else {
+                store_tile(it, group * 4 + warp, acc, ep, epi);
+            }
         }
     }
 
@@ -739,9 +806,10 @@ struct Gemm90 {
     // m-tile (the others belong to rows past the tile, which the epilogue never stores). The slot
     // whose last wgmma group may still read it is released once the next stage's first wait shows
     // that group complete, so the tensor cores do not drain between stages.
+    // Returns the item's last slot, which it releases itself unless kEpiInSlot.
     template <int kW>
-    __device__ __forceinline__ void k_loop(float (&acc)[kMT][kAcc], int& slot, uint32_t& phase, int a_off,
-                                           int s_off) const {
+    __device__ __forceinline__ int k_loop(float (&acc)[kMT][kAcc], int& slot, uint32_t& phase, int a_off,
+                                          int s_off) const {
         int reading = -1;
         const uint32_t smem_s = smem_u32(smem);
         for (int ks = 0; ks < ksteps; ++ks) {
@@ -792,7 +860,8 @@ struct Gemm90 {
         wgmma_wait<0>();
 #pragma unroll
         for (int u = 0; u < kMT; ++u) pin(*reinterpret_cast<float(*)[kW / 2]>(acc[u]));
-        if (reading >= 0) mbar_arrive(empty + 8 * reading);
+        if (!kEpiInSlot && reading >= 0) mbar_arrive(empty + 8 * reading);
+        return reading;
     }
 
     // Scale, bias, activation, store; accumulator j of n8 block jb of an m-tile is (row g, tokens
@@ -802,10 +871,13 @@ struct Gemm90 {
     // out in 16-byte pieces. Stored from the fragments straight to global memory, a warp store
     // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: all
     // groups finish an item together) took 40 % of Qwen3.6's FC2. Two buffers: chunk c + 1 is
-    // staged while other warps still copy chunk c out, one barrier per chunk.
-    __device__ __forceinline__ void store_tile(const Item& it, int w, const float (&acc)[kMT][kAcc],
-                                               int& ep) const {
-        const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    // staged while other warps still copy chunk c out, one barrier per chunk. `epi`: the
+    // buffers, at kBN 144 the item's last stage slot (consume() says when it is free).
+    __device__ __forceinline__ void store_tile(const Item& it, int w, const float (&acc)[kMT][kAcc], int& ep,
+                                               uint8_t* epi) const {
+        int lane;  // read afresh rather than held across the K loop
+        asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+        const int g = lane / 4, t = lane % 4;
         int post = -(Dec::kExp + kTableShift + p.scale_shift);
         // Opaque per item: ldexpf's parts that depend on post alone would otherwise be hoisted
         // out of the item loop and held across every K loop (two registers: the biased FC2
@@ -901,8 +973,9 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     __shared__ __align__(8) uint64_t bars[2 * kStages];  // full[0..kStages), empty[..]
     // The stages start at the first 1024-byte boundary (the launch adds 1 KB of slack).
     uint8_t* const dyn_smem = dyn_raw + ((1024u - (smem_u32(dyn_raw) & 1023u)) & 1023u);
-    uint8_t* const epi = dyn_smem + kStages * G::kStageBytes;
-    uint8_t* const recs = epi + G::kEpiBytes;  // kStages item records of 16 bytes
+    uint8_t* const epi = G::kEpiInSlot ? nullptr : dyn_smem + kStages * G::kStageBytes;
+    // kStages item records of 16 bytes
+    uint8_t* const recs = dyn_smem + kStages * G::kStageBytes + (G::kEpiInSlot ? 0 : G::kEpiBytes);
     int* tile_start = reinterpret_cast<int*>(recs + 16 * kStages);
 
     for (int i = threadIdx.x; i < 256; i += G::kThreads) {
@@ -934,8 +1007,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 }  // namespace
 
 // FC2: persistent grid (at most one block per SM), 128 x (1 + kGroups) threads; dynamic shared
-// memory = kStages stages + the epilogue's staging buffers + kStages item records + the row-tile
-// table (experts/gemm.py computes it).
+// memory = kStages stages + the epilogue's staging buffers (not at kBN 144, which stages in a
+// slot) + kStages item records + the row-tile table (experts/gemm.py computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
 // (experts/gemm.py _maps: over the same bytes as w and scales).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages, int kGroups>

@@ -44,9 +44,11 @@ __all__ = [
     "WGMMA_TILINGS",
     "WGMMA_MIN_ROWS_PER_EXPERT",
     "WGMMA_NARROW_MAX_ROWS_PER_EXPERT",
+    "WGMMA_SLACK_ROWS_PER_EXPERT",
     "GemmConfig",
     "WgmmaConfig",
     "default_config",
+    "wgmma_tiling",
     "wgmma_enabled",
     "gemm_fc1",
     "gemm_fc1_single",
@@ -56,6 +58,7 @@ __all__ = [
     "permute_split",
     "row_tiles",
     "schedule_ref",
+    "tile_rows",
 ]
 
 
@@ -191,11 +194,25 @@ ENV_WGMMA = "CUPYMOE_WGMMA"
 #: tensor cores wait on it (session 21, the same GPU run, layer µs, two groups | four: Qwen3.6 M
 #: = 512 / 1,024 222.3 | 215.8, 260.6 | 254.8; gpt-oss M = 128 / 256 200.4 | 192.4, 234.3 |
 #: 229.2). bn 128's 64 accumulators per thread leave no registers for four.
-WGMMA_TILINGS: tuple[tuple[int, int, int], ...] = ((64, 5, 4), (128, 4, 2))
+#: bn 144 is bn 128 whose last row tile of an expert takes up to 16 more rows
+#: (:func:`tile_rows`), in a wgmma of N = 144, instead of leaving them to an item of their own,
+#: whose decode costs about half a full item's (``WGMMA_SLACK_ROWS_PER_EXPERT``).
+WGMMA_TILINGS: tuple[tuple[int, int, int], ...] = ((64, 5, 4), (128, 4, 2), (144, 4, 2))
 
 #: Average rows per active expert up to which the wgmma kernel takes its bn 64 tiling (above it
 #: bn 128): the measurements of :data:`WGMMA_TILINGS`.
 WGMMA_NARROW_MAX_ROWS_PER_EXPERT = 32
+
+#: Average rows per active expert (low, high] where the wgmma kernel takes bn 144 instead of bn
+#: 128. Measured on the H100 (session 27, whole layers, graph replays, µs per layer, bn 128 |
+#: 144, outputs bitwise equal): at 128 rows per expert Qwen3.6 M = 4,096 599.6 | 564.6 and
+#: gpt-oss M = 1,024 513.2 | 476.9 (with random routing about half the experts hold 129-160
+#: rows: bn 128 runs them as a full item and a narrow one); at 64 rows Qwen3.6 M = 2,048 376.9 |
+#: 374.7 and gpt-oss M = 512 325.5 | 331.3, at 512 rows gpt-oss M = 4,096 1,546.7 | 1,601.8,
+#: where few remainders fit the 16 rows and bn 144 ran 0-4 % slower (the cost of its register
+#: split and stage layout, not isolated). The bounds: below 112 rows per expert few experts pass
+#: 128 rows, above 160 few remainders are within 16 rows.
+WGMMA_SLACK_ROWS_PER_EXPERT = (112.0, 160.0)
 
 #: Average rows per active expert above which sm_90 runs the wgmma kernel instead of the
 #: mma.sync table (:data:`.handover.HAND_OVERS` per shape). Measured on the H200 in session 19
@@ -252,10 +269,12 @@ class WgmmaConfig:
 
     def shared_bytes(self, fmt_code: int, slots: int) -> int:
         """Dynamic shared memory of a launch: 1 KB of slack to align the stages to 1024 bytes
-        (the swizzle atoms), the stages, the epilogue's staging buffers, a 16-byte item record
-        per stage, and the row-tile table of ``slots``."""
+        (the swizzle atoms), the stages, the epilogue's staging buffers (bn 144 stages its
+        epilogue in a stage slot instead), a 16-byte item record per stage, and the row-tile
+        table of ``slots``."""
         stages = self.stages * (self.stage_bytes(fmt_code) + 16)
-        return 1024 + stages + _EPI_BYTES + _table_bytes(slots)
+        epilogue = 0 if self.bn > 128 else _EPI_BYTES  # bn 144 stages it in a stage slot
+        return 1024 + stages + epilogue + _table_bytes(slots)
 
 
 def wgmma_enabled() -> bool:
@@ -272,33 +291,48 @@ def _table_bytes(slots: int) -> int:
     return -(-(4 * (slots + 2) + 2 * slots) // 16) * 16
 
 
+def tile_rows(bn: int) -> tuple[int, int]:
+    """(rows of a row tile, slack) of block tiles of ``bn`` rows (gemm_items.cuh TileClasses):
+    an expert's last remainder of up to ``slack`` rows joins the tile before it (bn 144: tiles of
+    128 rows, the last of up to 144)."""
+    slack = bn - 128 if bn > 128 else 0
+    return bn - slack, slack
+
+
 def tile_classes(bn: int) -> int:
-    """Width classes of the row tiles (gemm_items.cuh TileClasses): widths ``bn - 32 c``."""
-    return bn // 32 if bn >= 64 else 1
+    """Width classes of the row tiles (gemm_items.cuh TileClasses): widths ``tile - 32 c``."""
+    tile = tile_rows(bn)[0]
+    return min(tile // 32, 4) if tile >= 64 else 1
 
 
 def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int, int]]:
     """NumPy transcription of the kernels' schedule scan: every row tile of a launch in item
-    order, as ``(slot, first row within the expert, rows)``. Widest first: class 0 (the full
-    tiles and a last tile wider than ``bn - 32``) in slot order, then the experts' last, partial
-    tiles by width class (widths ``bn - 32 c``), each class in slot order."""
+    order, as ``(slot, first row within the expert, rows)``. Tiles of :func:`tile_rows` rows, a
+    last remainder of up to its slack joined to the tile before it. Widest first: class 0 (the
+    full tiles and a last tile wider than ``tile - 32``) in slot order, then the experts' last,
+    partial tiles by width class (widths ``tile - 32 c``), each class in slot order."""
     off = np.asarray(expert_offsets, dtype=np.int64)
     act = np.asarray(active, dtype=np.int64)
     valid = (act >= 0) & (act < len(off) - 1)
     safe = np.where(valid, act, 0)
     rows = np.where(valid, off[safe + 1] - off[safe], 0)
     classes = tile_classes(bn)
+    tile, slack = tile_rows(bn)
 
     def cls(rem: int) -> int:
-        return 0 if classes == 1 else (bn - -(-rem // 32) * 32) // 32
+        return 0 if classes == 1 else min((tile - rem) // 32, classes - 1)
 
     tiles: list[tuple[int, int, int]] = []
     parts: list[list[tuple[int, int, int]]] = [[] for _ in range(classes)]
     for slot, r in enumerate(rows.tolist()):
-        full, rem = divmod(int(r), bn)
-        tiles += [(slot, t * bn, bn) for t in range(full)]
+        full, rem = divmod(int(r), tile)
+        if full and 0 < rem <= slack:  # the remainder joins the last full tile
+            full, rem = full - 1, rem + tile
+            tiles += [(slot, t * tile, tile) for t in range(full)] + [(slot, full * tile, rem)]
+            continue
+        tiles += [(slot, t * tile, tile) for t in range(full)]
         if rem:
-            (tiles if cls(rem) == 0 else parts[cls(rem)]).append((slot, full * bn, rem))
+            (tiles if cls(rem) == 0 else parts[cls(rem)]).append((slot, full * tile, rem))
     for c in range(1, classes):
         tiles += parts[c]
     return tiles
@@ -322,6 +356,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def wgmma_tiling(rows_per_expert: float) -> WgmmaConfig:
+    """The wgmma kernel's tiling at an average of ``rows_per_expert`` rows per active expert:
+    bn 64 up to :data:`WGMMA_NARROW_MAX_ROWS_PER_EXPERT`, bn 144 within
+    :data:`WGMMA_SLACK_ROWS_PER_EXPERT`, else bn 128."""
+    if rows_per_expert <= WGMMA_NARROW_MAX_ROWS_PER_EXPERT:
+        return WgmmaConfig(*WGMMA_TILINGS[0])
+    low, high = WGMMA_SLACK_ROWS_PER_EXPERT
+    return WgmmaConfig(*WGMMA_TILINGS[2 if low < rows_per_expert <= high else 1])
+
+
 def default_config(
     rows: int,
     n_experts: int,
@@ -332,13 +376,12 @@ def default_config(
     """The analytic tiling of a call: the wgmma kernel where :func:`wgmma_enabled` and the
     average rows per active expert exceed ``wgmma_min`` (the shape's threshold,
     :func:`.handover.hand_over_for`; default :data:`WGMMA_MIN_ROWS_PER_EXPERT`) and its shared
-    memory fits the device's block (for ``min(rows, n_experts)`` slots), bn 64 up to
-    :data:`WGMMA_NARROW_MAX_ROWS_PER_EXPERT` rows per expert, else bn 128; else
-    :meth:`GemmConfig.for_rows` within the current device's shared memory."""
+    memory fits the device's block (for ``min(rows, n_experts)`` slots), with
+    :func:`wgmma_tiling`; else :meth:`GemmConfig.for_rows` within the current device's shared
+    memory."""
     slots = max(1, min(rows, n_experts))
     if rows / slots > wgmma_min and wgmma_enabled():
-        narrow = rows / slots <= WGMMA_NARROW_MAX_ROWS_PER_EXPERT
-        wgmma = WgmmaConfig(*WGMMA_TILINGS[0 if narrow else -1])
+        wgmma = wgmma_tiling(rows / slots)
         # a layer of thousands of experts: the row-tile table leaves the block no room
         if wgmma.shared_bytes(fmt_code, slots) + wgmma.static_bytes <= max_shared_per_block():
             return wgmma
@@ -404,11 +447,19 @@ def _spec(cfg: GemmConfig | WgmmaConfig, op: str, head: tuple[str | int | bool, 
     return KernelSpec("gemm_fp4", f"gemm_{op}", (*head, *cfg.key))
 
 
-def _check_runs_here(cfg: GemmConfig | WgmmaConfig) -> None:
-    if isinstance(cfg, WgmmaConfig) and not wgmma_enabled():
+def _check_runs_here(cfg: GemmConfig | WgmmaConfig, x: Any) -> None:
+    if not isinstance(cfg, WgmmaConfig):
+        return
+    if not wgmma_enabled():
         raise ValueError(
             "config: a WgmmaConfig needs a compute capability 9.0 device (and CUPYMOE_WGMMA not "
             f"0); this device has {compute_capability()}"
+        )
+    # The producer holds its rows' offsets in x as 32-bit counts of 16-byte pieces.
+    if int(x.shape[0]) * (int(x.shape[1]) // 8) >= 2**32 - 1:
+        raise ValueError(
+            f"x: {tuple(x.shape)} is over the wgmma kernel's 64 GB of activations; pass a "
+            "GemmConfig (the mma.sync kernel)"
         )
 
 
@@ -551,7 +602,7 @@ def gemm_fc1(
     if rows == 0 or g.n == 0:
         return out
     cfg = default_config(rows, g.n_experts, g.format.code) if config is None else config
-    _check_runs_here(cfg)
+    _check_runs_here(cfg, x)
     _check_permuted(cfg, permuted_h, permuted_x)
     head = (g.format.code, CTYPE[dtype], act.kind.code, weights.gate_bias is not None)
     spec = _spec(cfg, "fc1", head)
@@ -660,7 +711,7 @@ def _gemm_single(
     if rows == 0 or w.n == 0:
         return out
     cfg = default_config(rows, w.n_experts, w.format.code) if config is None else config
-    _check_runs_here(cfg)
+    _check_runs_here(cfg, x)
     _check_permuted(cfg, permuted_h, permuted_x)
     head = (w.format.code, CTYPE[dtype])
     bias = weights.bias is not None
