@@ -198,6 +198,11 @@ class MoELayer:
                 f"fc2: expected experts x rows x cols = ({n_experts}, {hidden}, {intermediate}) "
                 f"to match fc1, got ({fc2.n_experts}, {fc2.n}, {fc2.k})"
             )
+        if hidden < 1 or intermediate < 1:
+            raise ValueError(
+                f"fc1: expected hidden and intermediate sizes >= 1, got hidden {hidden}, "
+                f"intermediate {intermediate}"
+            )
         check_int("max_tokens", max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
