@@ -225,7 +225,7 @@ def test_default_config_leaves_wgmma_where_its_shared_memory_does_not_fit(
     assert isinstance(gemm.default_config(256 * 128, 256, 0, wgmma_min=128), GemmConfig)
 
 
-def test_wgmma_refuses_activations_past_its_row_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wgmma_refuses_x_it_cannot_read(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from cupymoe.experts import gemm
@@ -236,6 +236,8 @@ def test_wgmma_refuses_activations_past_its_row_offsets(monkeypatch: pytest.Monk
     with pytest.raises(ValueError, match="64 GB"):
         gemm._check_runs_here(cfg, SimpleNamespace(shape=(2**22, 8 * 1024)))
     gemm._check_runs_here(GemmConfig(*GEMM_TILINGS[0]), SimpleNamespace(shape=(2**22, 8 * 1024)))
+    with pytest.raises(ValueError, match="K >= 1"):
+        gemm._check_runs_here(cfg, SimpleNamespace(shape=(16, 0)))
 
 
 def test_wgmma_specs_target_sm90a() -> None:

@@ -455,6 +455,8 @@ def _check_runs_here(cfg: GemmConfig | WgmmaConfig, x: Any) -> None:
             "config: a WgmmaConfig needs a compute capability 9.0 device (and CUPYMOE_WGMMA not "
             f"0); this device has {compute_capability()}"
         )
+    if int(x.shape[1]) == 0:  # no K stage: the consumers would stage into no slot
+        raise ValueError("x: the wgmma kernel needs K >= 1, got 0 columns")
     # The producer holds its rows' offsets in x as 32-bit counts of 16-byte pieces.
     if int(x.shape[0]) * (int(x.shape[1]) // 8) >= 2**32 - 1:
         raise ValueError(
