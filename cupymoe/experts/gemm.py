@@ -326,12 +326,11 @@ def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int,
     parts: list[list[tuple[int, int, int]]] = [[] for _ in range(classes)]
     for slot, r in enumerate(rows.tolist()):
         full, rem = divmod(int(r), tile)
-        if full and 0 < rem <= slack:  # the remainder joins the last full tile
-            full, rem = full - 1, rem + tile
-            tiles += [(slot, t * tile, tile) for t in range(full)] + [(slot, full * tile, rem)]
-            continue
-        tiles += [(slot, t * tile, tile) for t in range(full)]
-        if rem:
+        joined = full > 0 and 0 < rem <= slack  # the remainder joins the last full tile
+        tiles += [(slot, t * tile, tile) for t in range(full - joined)]
+        if joined:
+            tiles.append((slot, (full - 1) * tile, tile + rem))
+        elif rem:
             (tiles if cls(rem) == 0 else parts[cls(rem)]).append((slot, full * tile, rem))
     for c in range(1, classes):
         tiles += parts[c]
