@@ -20,6 +20,7 @@ from cupymoe.experts.gemm import (
     WGMMA_TILINGS,
     GemmConfig,
     WgmmaConfig,
+    block_items,
     permute_split,
     row_tiles,
     schedule_ref,
@@ -110,13 +111,13 @@ def test_row_tiles_with_slack() -> None:
     offsets = np.cumsum([0, 130, 144, 145, 128, 100, 270, 300, 16])
     active = np.arange(8)
     assert row_tiles(offsets, active, 144) == [
-        (0, 0, 130),  # 128 + 2: one tile
+        (0, 0, 130),  # 128 + 2: one tile, joined (a wider wgmma), first
         (1, 0, 144),  # 128 + 16: one tile
+        (5, 128, 142),  # 256 + 14: the second tile takes the remainder
         (2, 0, 128),  # 128 + 17: a full tile and a narrow one (class 3, below)
         (3, 0, 128),
         (4, 0, 100),  # class 0: wider than 96
         (5, 0, 128),
-        (5, 128, 142),  # 256 + 14: the second tile takes the remainder
         (6, 0, 128),
         (6, 128, 128),
         (6, 256, 44),  # class 2
@@ -129,6 +130,22 @@ def test_row_tiles_with_slack() -> None:
         assert 1 <= rows <= 144
         covered[row0 : row0 + rows] += cb == 1
     np.testing.assert_array_equal(covered, 1)
+
+
+@pytest.mark.parametrize(("n_items", "grid"), [(1, 1), (5, 8), (8, 8), (100, 7), (1076, 132)])
+def test_block_items_alternate_rounds(n_items: int, grid: int) -> None:
+    walks = [block_items(n_items, grid, b) for b in range(grid)]
+    taken = sorted(i for walk in walks for i in walk)
+    assert taken == list(range(n_items))  # every item once
+    for b, walk in enumerate(walks):
+        assert walk == sorted(walk)
+        for r, index in enumerate(walk):  # round r: block order if r is even, reversed if odd
+            assert index == r * grid + (grid - 1 - b if r % 2 else b)
+    # over items of descending cost the two ends of the grid take equal sums within one round
+    if n_items >= 2 * grid:
+        cost = np.arange(n_items)[::-1]
+        first, last = cost[walks[0][:2]].sum(), cost[walks[-1][:2]].sum()
+        assert first == last
 
 
 @pytest.mark.parametrize("bn", [64, 128])
@@ -181,9 +198,9 @@ def test_wgmma_config_table() -> None:
     assert [t[0] for t in WGMMA_TILINGS] == [64, 128, 144]
     for tiling in WGMMA_TILINGS:  # one block per SM within the 227 KB of a Hopper block
         cfg = WgmmaConfig(*tiling)
-        for fmt in (0, 1):  # a layer of 1,024 experts fits (bn 128: up to 1,385, bn 64: 6,502)
+        for fmt in (0, 1):  # a layer of 1,024 experts fits (bn 128: up to 1,384, bn 64: 6,502)
             assert cfg.shared_bytes(fmt, 1024) + cfg.static_bytes <= 227 * 1024
-        assert cfg.shared_bytes(0, 1385) + cfg.static_bytes <= 227 * 1024
+        assert cfg.shared_bytes(0, 1384) + cfg.static_bytes <= 227 * 1024
         assert cfg.threads == 128 * (1 + cfg.groups) and cfg.m_tiles == 16
         assert cfg.m_tiles % (4 * cfg.groups) == 0  # whole m-tiles per consumer warp
 

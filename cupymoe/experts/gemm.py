@@ -57,6 +57,7 @@ __all__ = [
     "map_geometry",
     "permute_split",
     "row_tiles",
+    "block_items",
     "schedule_ref",
     "tile_rows",
 ]
@@ -286,9 +287,9 @@ def wgmma_enabled() -> bool:
 
 
 def _table_bytes(slots: int) -> int:
-    """Shared memory of the kernels' row-tile table (gemm_items.cuh): ``slots + 2`` ints and a
-    16-bit slot per partial tile, rounded up to 16 bytes."""
-    return -(-(4 * (slots + 2) + 2 * slots) // 16) * 16
+    """Shared memory of the kernels' row-tile table (gemm_items.cuh): ``slots + 3`` ints and a
+    16-bit slot per joined or partial tile, rounded up to 16 bytes."""
+    return -(-(4 * (slots + 3) + 2 * slots) // 16) * 16
 
 
 def tile_rows(bn: int) -> tuple[int, int]:
@@ -308,9 +309,10 @@ def tile_classes(bn: int) -> int:
 def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int, int]]:
     """NumPy transcription of the kernels' schedule scan: every row tile of a launch in item
     order, as ``(slot, first row within the expert, rows)``. Tiles of :func:`tile_rows` rows, a
-    last remainder of up to its slack joined to the tile before it. Widest first: class 0 (the
-    full tiles and a last tile wider than ``tile - 32``) in slot order, then the experts' last,
-    partial tiles by width class (widths ``tile - 32 c``), each class in slot order."""
+    last remainder of up to its slack joined to the tile before it. Widest first: the joined
+    tiles in slot order, class 0 (the other full tiles and a last tile wider than ``tile - 32``)
+    in slot order, then the experts' last, partial tiles by width class (widths ``tile - 32 c``),
+    each class in slot order."""
     off = np.asarray(expert_offsets, dtype=np.int64)
     act = np.asarray(active, dtype=np.int64)
     valid = (act >= 0) & (act < len(off) - 1)
@@ -322,6 +324,7 @@ def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int,
     def cls(rem: int) -> int:
         return 0 if classes == 1 else min((tile - rem) // 32, classes - 1)
 
+    wide: list[tuple[int, int, int]] = []
     tiles: list[tuple[int, int, int]] = []
     parts: list[list[tuple[int, int, int]]] = [[] for _ in range(classes)]
     for slot, r in enumerate(rows.tolist()):
@@ -329,12 +332,26 @@ def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int,
         joined = full > 0 and 0 < rem <= slack  # the remainder joins the last full tile
         tiles += [(slot, t * tile, tile) for t in range(full - joined)]
         if joined:
-            tiles.append((slot, (full - 1) * tile, tile + rem))
+            wide.append((slot, (full - 1) * tile, tile + rem))
         elif rem:
             (tiles if cls(rem) == 0 else parts[cls(rem)]).append((slot, full * tile, rem))
+    tiles = wide + tiles
     for c in range(1, classes):
         tiles += parts[c]
     return tiles
+
+
+def block_items(n_items: int, grid: int, block: int) -> list[int]:
+    """NumPy transcription of the wgmma kernel's walk (gemm_items.cuh ``item_of_round``): the
+    item indices that block ``block`` of a persistent grid of ``grid`` blocks takes, in order.
+    Rounds of ``grid`` items, taken in block order on even rounds and in reverse on odd ones."""
+    out = []
+    for r in range(_ceil_div(n_items, grid) + 1):
+        index = r * grid + (grid - 1 - block if r % 2 else block)
+        if index >= n_items:
+            break
+        out.append(index)
+    return out
 
 
 def schedule_ref(
