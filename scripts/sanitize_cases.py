@@ -154,12 +154,17 @@ def wgmma_layer_case(fmt: str, act: str, m: int) -> None:
 
 
 def main() -> int:
-    # Routing: fused decode launch (one block, and clusters of 2 and 8 blocks on sm_90+), warp
-    # path, block path at the largest E and top_k, large-M maps.
+    # Routing: fused launch (one block, and clusters of 2 and 8 blocks on sm_90+; maps by one
+    # warp up to 64 rows, by the first block up to 512), warp path, block path at the largest E
+    # and top_k, large-M maps.
     check("route fused M=4 E=256 k=8", lambda: routing_case(4, 256, 8, "softmax_topk"))
     check("route fused M=8 E=256 k=8", lambda: routing_case(8, 256, 8, "softmax_topk"))
     check("route fused M=64 E=32 k=1", lambda: routing_case(64, 32, 1, "topk_softmax"))
-    check("route warp M=33 E=60 k=6", lambda: routing_case(33, 60, 6, "topk_softmax"))
+    check("route fused, block maps M=33 E=60 k=6", lambda: routing_case(33, 60, 6, "topk_softmax"))
+    check(
+        "route fused, block maps M=64 E=256 k=8", lambda: routing_case(64, 256, 8, "softmax_topk")
+    )
+    check("route warp M=100 E=60 k=6", lambda: routing_case(100, 60, 6, "topk_softmax"))
     check(
         "route grouped M=4 E=256 k=8",
         lambda: routing_case(

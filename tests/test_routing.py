@@ -5,6 +5,7 @@ exact, weights to float32 rounding), determinism, CUDA-graph capture, and input 
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import cupymoe.routing.topk as routing_mod
+from cupymoe._runtime.compile import kernel_source
 from cupymoe._runtime.launch import ENV_CLUSTERS
 from cupymoe.routing import (
     Router,
@@ -325,7 +327,8 @@ def test_route_edge_values(
 def test_route_grouped_configurations(
     kind: str, e: int, n_group: int, topk_group: int, k: int, m: int, rng: np.random.Generator
 ) -> None:
-    # Fused (M * k <= 64) and per-token launches, both group-selection paths, tie-heavy inputs.
+    # Fused (M * k <= 512: maps by one warp, or by block 0 at m = 40 with k >= 2) and per-token
+    # launches, both group-selection paths, tie-heavy inputs.
     bias = (rng.standard_normal(e) * 0.05).astype(np.float32)
     if kind == "ties":
         bias = np.round(bias * 40) / 40
@@ -390,6 +393,19 @@ def test_single_block_warps() -> None:
     assert single_block_warps(10**6, 2048) == 4
 
 
+def test_fused_rows_match_the_kernel() -> None:
+    # The one-launch bound is the kernel's staging capacity; the block maps' counters hold the
+    # widest block (8 routing warps and the maps warp) at the warp path's 256 experts.
+    src = kernel_source("route_fused")
+    rows = re.search(r"kWarpRows = (\d+), kFusedRows = (\d+);", src)
+    assert rows and int(rows.group(2)) == routing_mod.FUSED_MAX_ROWS
+    assert int(rows.group(1)) == 64 and "ids_s[kFusedRows]" in src
+    words = re.search(r"kBlockMapWords = (\d+) \* (\d+);", src)
+    assert words and int(words.group(1)) == 8 + 1 + 1
+    assert int(words.group(2)) == routing_mod.WARP_MAX_EXPERTS + 1
+    assert all(routing_mod.fused_cluster_size(m, True) <= 8 for m in range(1, 513))
+
+
 def test_fused_cluster_size() -> None:
     # One routing warp per scheduler (4 per block) from M = 5 on, at most 8 blocks; one block
     # without clusters or while one block has a scheduler per token.
@@ -400,12 +416,16 @@ def test_fused_cluster_size() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize(("m", "e", "k"), [(5, 256, 8), (8, 256, 8), (13, 60, 4), (64, 32, 1)])
+@pytest.mark.parametrize(
+    ("m", "e", "k"),
+    [(5, 256, 8), (8, 256, 8), (13, 60, 4), (64, 32, 1), (9, 256, 8), (64, 256, 8), (100, 60, 5)],
+)
 def test_route_cluster_matches_one_block(
     method: RoutingMethod, m: int, e: int, k: int, rng: np.random.Generator, monkeypatch
 ) -> None:
     # The fused launch as a cluster (tokens spread over blocks, ids gathered in block 0) gives
-    # bitwise what one block gives; on sm_90+ the cluster path is really taken.
+    # bitwise what one block gives, with the maps in one warp (up to 64 rows) or in block 0
+    # (72, 512 and 500 rows); on sm_90+ the cluster path is really taken.
     cupy = pytest.importorskip("cupy")
     monkeypatch.delenv(ENV_CLUSTERS, raising=False)
     clusters = routing_mod.cluster_supported()

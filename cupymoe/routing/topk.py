@@ -39,8 +39,9 @@ __all__ = [
 #: GPU limits: warp kernels (and the fused decode launch) up to these; the block kernel beyond.
 WARP_MAX_EXPERTS, WARP_MAX_TOP_K = 256, 8
 GPU_MAX_TOP_K = 64
-#: One launch for routing and maps when M * k <= this (and the warp kernel applies).
-FUSED_MAX_ROWS = 64
+#: One launch for routing and maps when M * k <= this (and the warp kernel applies): the maps in
+#: one warp up to 64 rows, in the whole first block above (``cuda/route_fused.cu`` kFusedRows).
+FUSED_MAX_ROWS = 512
 
 
 def _kmethod(router: Router, gathered: bool) -> int:
@@ -108,7 +109,7 @@ def route(
     Returns
     -------
     Routing
-        ``out`` when given. One launch when ``M * k <= 64``, ``E <= 256`` and ``k <= 8``;
+        ``out`` when given. One launch when ``M * k <= 512``, ``E <= 256`` and ``k <= 8``;
         otherwise a routing launch then :func:`expert_maps`.
     """
     cupy = require_cupy()
