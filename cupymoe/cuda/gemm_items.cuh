@@ -177,12 +177,14 @@ struct ItemLoc {
 template <int kBN>
 __device__ __forceinline__ ItemLoc locate_item(const Params& p, const int* tile_start, int col_blocks,
                                                int index) {
-    // The scan lists the joined tiles last; they go first: the row tiles rotated by their count.
-    const int all = tile_start[p.slots], joined = tile_start[p.slots + 2];
     int rt = index / col_blocks;
     ItemLoc loc;
     loc.cblock = index - rt * col_blocks;
-    rt = rt < joined ? rt + all - joined : rt - joined;
+    if constexpr (TileClasses<kBN>::kSlack > 0) {
+        // The scan lists the joined tiles last; they go first: the row tiles rotated by their count.
+        const int all = tile_start[p.slots], joined = tile_start[p.slots + 2];
+        rt = rt < joined ? rt + all - joined : rt - joined;
+    }
     const int total0 = tile_start[p.slots + 1];
     if (rt < total0) {
         int lo = 0, hi = p.slots;  // tile_start[lo] <= rt < tile_start[hi] (the total at slots)
@@ -200,17 +202,22 @@ __device__ __forceinline__ ItemLoc locate_item(const Params& p, const int* tile_
 }
 
 // The items of this block of a persistent grid (the wgmma kernel's walk; experts/gemm.py
-// block_items is the transcription). The grid takes the items in rounds of gridDim.x, in block
-// order on even rounds and in reverse on odd ones: over the widest-first order, a plain
-// round-robin gives the low blocks the widest item of every round (docs/kernels.md, fifteenth
-// round). Increasing, so a block's walk ends at its first index past the items.
-__device__ __forceinline__ int item_of_round(int r) {
+// block_items is the transcription). The grid takes the items in rounds of gridDim.x. Where tiles
+// take a remainder (kSlack > 0) it takes them in block order on even rounds and in reverse on odd
+// ones: over the widest-first order, whose joined tiles cost 1.15 full ones, a plain round-robin
+// gives the low blocks the widest item of every round (docs/kernels.md, fifteenth round).
+// Elsewhere plainly round-robin (the alternation measured 0-2 % slower at bn 64). Increasing,
+// so a block's walk ends at its first index past the items.
+template <int kBN> __device__ __forceinline__ int item_of_round(int r) {
     const int b = (int)blockIdx.x, g = (int)gridDim.x;
-    return r * g + ((r & 1) ? g - 1 - b : b);
+    return r * g + ((TileClasses<kBN>::kSlack > 0 && (r & 1)) ? g - 1 - b : b);
 }
 // The item after `index` (one of this block's): the round recomputed rather than a counter held
 // across the item loop, for the producer's registers.
-__device__ __forceinline__ int next_item(int index) { return item_of_round(index / (int)gridDim.x + 1); }
+template <int kBN> __device__ __forceinline__ int next_item(int index) {
+    if constexpr (TileClasses<kBN>::kSlack > 0) return item_of_round<kBN>(index / (int)gridDim.x + 1);
+    return index + (int)gridDim.x;
+}
 
 // The item at `loc` of expert e = active[loc.slot], whose rows are begin .. end - 1 (its
 // expert_offsets): the global loads are the caller's, so that a pipelined caller can issue them

@@ -570,7 +570,7 @@ struct Gemm90 {
 #pragma unroll
             for (int step = 0; step < kFetchSteps; ++step) fetch_step(cur, blockIdx.x, step);
         }
-        for (int index = blockIdx.x; index < n_items(); index = next_item(index)) {
+        for (int index = blockIdx.x; index < n_items(); index = next_item<kBN>(index)) {
             const Item it = cur.it;
             // Only the 32-row passes that the consumers' wgmma reads are gathered (its width
             // rounded up to 32; the width-8 and width-16 loops read the first rows of one pass):
@@ -580,7 +580,7 @@ struct Gemm90 {
 #pragma unroll
             for (int ps = 0; ps < kRowPasses; ++ps) src[ps] = cur.src[ps];
             const int c1 = it.cblock * kBMT;
-            const int next = next_item(index);
+            const int next = next_item<kBN>(index);
             const bool more = next < n_items();
 
             for (int ks = 0; ks < ksteps; ++ks, ++st) {
@@ -725,9 +725,7 @@ struct Gemm90 {
         float acc[kMT][kAcc];
         int slot = 0, ep = 0;  // the next stage's slot; output chunks staged (the buffer parity)
         uint32_t phase = 0;    // the parity of the next stage's full barrier
-        // This block's rounds (the records say which item each is): a round counter, not the
-        // item index, which the four-group consumers would spill across the epilogue.
-        for (int r = 0; item_of_round(r) < n_items(); ++r) {
+        for (int index = blockIdx.x; index < n_items(); index = next_item<kBN>(index)) {
             mbar_wait(full + 8 * slot, phase);  // the item's first stage, and with it its record
             const Item it = record(slot);
             // The wgmma width of the tile: its rows rounded up to 32 (at most kBN), or to 8 or 16

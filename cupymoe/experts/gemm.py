@@ -341,13 +341,15 @@ def row_tiles(expert_offsets: Any, active: Any, bn: int) -> list[tuple[int, int,
     return tiles
 
 
-def block_items(n_items: int, grid: int, block: int) -> list[int]:
+def block_items(n_items: int, grid: int, block: int, *, bn: int) -> list[int]:
     """NumPy transcription of the wgmma kernel's walk (gemm_items.cuh ``item_of_round``): the
     item indices that block ``block`` of a persistent grid of ``grid`` blocks takes, in order.
-    Rounds of ``grid`` items, taken in block order on even rounds and in reverse on odd ones."""
+    Rounds of ``grid`` items; where ``bn``'s tiles take a remainder (:func:`tile_rows`) in block
+    order on even rounds and in reverse on odd ones, else in block order."""
+    snake = tile_rows(bn)[1] > 0
     out = []
     for r in range(_ceil_div(n_items, grid) + 1):
-        index = r * grid + (grid - 1 - block if r % 2 else block)
+        index = r * grid + (grid - 1 - block if snake and r % 2 else block)
         if index >= n_items:
             break
         out.append(index)
