@@ -16,7 +16,7 @@
 // slows down (routing/topk.py: fused_cluster_size). M * k <= kFusedRows, E <= 256, k <= kN,
 // W <= 8. Above 64 rows (kWarpRows) the maps take the whole of block 0 instead of its maps warp
 // (rt::build_maps_block over the staged ids, once its routing warps are done): one launch
-// instead of a routing launch and a maps launch (2-3 us less at 128-512 rows).
+// instead of a routing launch and a maps launch (docs/kernels.md, Routing).
 // `bias`: the correction bias [E] (kMethod 2) or the mixing tensor [n_tokens, E] (kMethod 4).
 constexpr int kMapsBarrier = 1;
 constexpr int kWarpRows = 64, kFusedRows = 512;
