@@ -34,7 +34,7 @@ import numpy as np
 from cupymoe.bench import capture, device_name, median_event_us
 from cupymoe.layer.expand import expand
 from cupymoe.layer.finalize import finalize
-from cupymoe.routing import Router, Routing, RoutingMethod, route
+from cupymoe.routing import Router, Routing, RoutingMethod, route, route_workspace_words
 
 BF16 = ml_dtypes.bfloat16
 _EMPTY = cupy.RawKernel('extern "C" __global__ void empty_node() {}', "empty_node")
@@ -83,13 +83,20 @@ def bench(
             cupy.asarray(rng.standard_normal((m, e)).astype(logits_dtype)) for _ in range(calls)
         ]
         outs = [Routing.empty(m, e, k, xp=cupy) for _ in range(calls)]
+        works = [cupy.empty(route_workspace_words(m, e), np.int32) for _ in range(calls)]
         for name, router in _routers(e, k).items():
             us = _per_call_us(
+                lambda lg, o, w, r=router: route(lg, r, out=o, workspace=w, pdl=pdl),
+                list(zip(logits, outs, works, strict=True)),
+                repeats,
+            )
+            rows.append({"stage": f"route {name}", "tokens": m, "us": us})
+            us = _per_call_us(  # without a workspace: the routing launch, then the maps'
                 lambda lg, o, r=router: route(lg, r, out=o, pdl=pdl),
                 list(zip(logits, outs, strict=True)),
                 repeats,
             )
-            rows.append({"stage": f"route {name}", "tokens": m, "us": us})
+            rows.append({"stage": f"route {name} (no workspace)", "tokens": m, "us": us})
         x = [cupy.asarray(rng.standard_normal((m, h)).astype(BF16)) for _ in range(calls)]
         xe = [cupy.empty((m * k, h), BF16) for _ in range(calls)]
         us = _per_call_us(
@@ -128,7 +135,10 @@ def main() -> None:
         f"{name}, E {a.experts}, top-{a.top_k}, {a.logits} logits, graph of {a.calls} calls, "
         f"median of {a.repeats}, PDL {'on' if a.pdl else 'off'}"
     )
-    print("(route: one launch while M * k <= 64, else routing + maps launches)")
+    print(
+        "(route: one launch while M * k <= 512; above, route_tiles + maps_tiles_place with a "
+        "workspace, else the routing launch + the maps' launches)"
+    )
     stages = list(dict.fromkeys(r["stage"] for r in rows if r["tokens"]))
     print("| stage | " + " | ".join(f"M = {m}" for m in tokens) + " |")
     print("|---|" + "---|" * len(tokens))

@@ -21,7 +21,7 @@ from cupymoe.formats import DeviceFp4
 from cupymoe.layer.expand import expand, expand_ref
 from cupymoe.layer.finalize import finalize, finalize_ref
 from cupymoe.presets import PRESETS, random_fp4_experts, random_layer
-from cupymoe.routing import GPU_MAX_EXPERTS, Router, route, route_ref
+from cupymoe.routing import GPU_MAX_EXPERTS, Router, Routing, route, route_ref
 from cupymoe.testing import assert_close, assert_equal
 
 BF16 = ml_dtypes.bfloat16
@@ -41,13 +41,18 @@ def check(name: str, fn) -> None:  # type: ignore[no-untyped-def]
         print(f"FAIL  {name}: {str(error).splitlines()[0]}", flush=True)
 
 
-def routing_case(m: int, e: int, k: int, method: str, offset: int = 0, **kw) -> None:  # type: ignore[no-untyped-def]
-    """``offset``: rows start that many elements into a wider buffer (unaligned lane runs)."""
+def routing_case(  # type: ignore[no-untyped-def]
+    m: int, e: int, k: int, method: str, offset: int = 0, workspace: bool = True, **kw
+) -> None:
+    """``offset``: rows start that many elements into a wider buffer (unaligned lane runs);
+    ``workspace=False``: preallocated outputs and no workspace (above 512 rows the routing
+    launch and the maps' launches instead of route_tiles and maps_tiles_place)."""
     rng = np.random.default_rng(m * 1000 + e + k)
     buf = rng.standard_normal((m, e + offset)).astype(np.float32)
     logits = np.ascontiguousarray(buf[:, offset:])
     router = Router(n_experts=e, top_k=k, method=cm.RoutingMethod(method), **kw)
-    ref, out = route_ref(logits, router), route(cupy.asarray(buf)[:, offset:], router)
+    out = None if workspace else Routing.empty(m, e, k)
+    ref, out = route_ref(logits, router), route(cupy.asarray(buf)[:, offset:], router, out=out)
     for field in ("topk_ids", "expert_offsets", "sorted_rows", "inverse", "active_experts"):
         assert_equal(getattr(ref, field), getattr(out, field), name=field)
     assert_close(ref.topk_weights, out.topk_weights, max_rel=2e-6, rms_rel=2e-6)
@@ -164,7 +169,17 @@ def main() -> int:
     check(
         "route fused, block maps M=64 E=256 k=8", lambda: routing_case(64, 256, 8, "softmax_topk")
     )
-    check("route warp M=100 E=60 k=6", lambda: routing_case(100, 60, 6, "topk_softmax"))
+    check("route tiles M=100 E=60 k=6", lambda: routing_case(100, 60, 6, "topk_softmax"))
+    check(
+        "route warp M=100 E=60 k=6 (no workspace)",
+        lambda: routing_case(100, 60, 6, "topk_softmax", workspace=False),
+    )
+    check(
+        "route tiles grouped M=300 E=256 k=8",
+        lambda: routing_case(
+            300, 256, 8, "sigmoid_grouped", n_group=8, topk_group=4, correction_bias=None
+        ),
+    )
     check(
         "route grouped M=4 E=256 k=8",
         lambda: routing_case(
@@ -185,7 +200,11 @@ def main() -> int:
         f"route block M=3 E={GPU_MAX_EXPERTS} k=64",
         lambda: routing_case(3, GPU_MAX_EXPERTS, 64, "softmax_topk"),
     )
-    check("route + tiled maps M=3000 E=256 k=8", lambda: routing_case(3000, 256, 8, "softmax_topk"))
+    check("route tiles M=5000 E=256 k=8", lambda: routing_case(5000, 256, 8, "softmax_topk"))
+    check(
+        "route + tiled maps M=3000 E=256 k=8 (no workspace)",
+        lambda: routing_case(3000, 256, 8, "softmax_topk", workspace=False),
+    )
     # Expand / finalize at a tail width (no 16-byte vectors) and a vector width.
     check("expand+finalize M=5 H=2050 k=3 fp16", lambda: stages_case(5, 2050, 3, np.float16))
     check("expand+finalize M=64 H=2048 k=8 bf16", lambda: stages_case(64, 2048, 8, BF16))

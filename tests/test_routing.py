@@ -23,6 +23,7 @@ from cupymoe.routing import (
     expert_maps_ref,
     route,
     route_ref,
+    route_workspace_words,
     sigmoid_f32,
 )
 from cupymoe.routing.maps import GPU_MAX_EXPERTS, single_block_warps
@@ -323,7 +324,7 @@ def test_route_edge_values(
         (60, 5, 2, 4),  # groups of 12 = 3 lanes: the shared-memory group scan
     ],
 )
-@pytest.mark.parametrize("m", [1, 4, 9, 40])
+@pytest.mark.parametrize("m", [1, 4, 9, 40, 100])
 def test_route_grouped_configurations(
     kind: str, e: int, n_group: int, topk_group: int, k: int, m: int, rng: np.random.Generator
 ) -> None:
@@ -345,7 +346,8 @@ def test_route_grouped_configurations(
         routed_scaling_factor=2.5,
     )
     x = _logits(kind, m, e, np.float32, rng)
-    out = route(_device(x), router, out=_poisoned(m, e, k))
+    work = _garbage_workspace(m, e, rng)  # above 512 rows the two launches
+    out = route(_device(x), router, out=_poisoned(m, e, k), workspace=work)
     _check_routing(route_ref(x, router), out)
 
 
@@ -414,6 +416,92 @@ def test_fused_cluster_size() -> None:
     assert all(routing_mod.fused_cluster_size(m, False) == 1 for m in range(1, 65))
 
 
+def _tile_maps(ids: np.ndarray, e: int, tile_rows: int) -> tuple[np.ndarray, ...]:
+    """NumPy transcription of route_tiles + maps_tiles_place (cuda/route.cu): ranks within each
+    tile of ``tile_rows`` rows, the table of per-tile bucket counts, every tile's own sums of the
+    table (thread (q, b) over tiles [q C, q C + C)), then each row's place."""
+    flat = ids.reshape(-1)
+    n, L = flat.size, e + 1
+    bucket = np.where((flat >= 0) & (flat < e), flat, e)
+    g_tiles = -(-n // tile_rows)
+    table = np.zeros((g_tiles, L), np.int64)
+    local = np.zeros(n, np.int64)
+    for g in range(g_tiles):
+        rows = bucket[g * tile_rows : (g + 1) * tile_rows]
+        for b in range(L):
+            hit = np.flatnonzero(rows == b)
+            local[g * tile_rows + hit] = np.arange(hit.size)
+            table[g, b] = hit.size
+    q_lanes = 1024 // L
+    c = -(-g_tiles // q_lanes)
+    offsets = np.zeros(L, np.int64)
+    inverse = np.zeros(n, np.int64)
+    for g in range(g_tiles):
+        part_all = np.zeros((q_lanes, L), np.int64)
+        part_before = np.zeros((q_lanes, L), np.int64)
+        for q in range(q_lanes):
+            tiles = np.arange(q * c, min(g_tiles, q * c + c))
+            part_all[q] = table[tiles].sum(axis=0)
+            part_before[q] = table[tiles[tiles < g]].sum(axis=0)
+        totals = part_all.sum(axis=0)
+        first = np.concatenate([[0], np.cumsum(totals)[:-1]])
+        if g == 0:
+            offsets = first
+        start = first + part_before.sum(axis=0)
+        rows = np.arange(g * tile_rows, min(n, (g + 1) * tile_rows))
+        inverse[rows] = start[bucket[rows]] + local[rows]
+    sorted_rows = np.empty(n, np.int64)
+    sorted_rows[inverse] = np.arange(n)
+    counts = np.bincount(flat[bucket < e], minlength=e)
+    active = np.full(min(n, e), -1, np.int64)
+    act = np.flatnonzero(counts)
+    active[: act.size] = act
+    return offsets, sorted_rows, inverse, active
+
+
+@pytest.mark.parametrize(("m", "k", "e"), [(65, 8, 256), (1000, 8, 256), (300, 4, 32), (77, 6, 60)])
+def test_tile_maps_transcription(m: int, k: int, e: int, rng: np.random.Generator) -> None:
+    # The two-launch maps' arithmetic against the oracle, at the tile sizes route() picks, with
+    # skewed ids and ids outside [0, E) (placed last, in row order).
+    ids = rng.integers(0, e, size=(m, k)).astype(np.int32)
+    ids[: m // 2] = rng.integers(0, 3, size=(m // 2, k))
+    rows = routing_mod.route_tile_tokens(m, k) * k
+    got = _tile_maps(ids, e, rows)
+    for name, want, have in zip(
+        ("offsets", "sorted_rows", "inverse", "active"), expert_maps_ref(ids, e), got, strict=True
+    ):
+        assert_equal(want, have.astype(np.int32), name=name)
+    bad = ids.copy()
+    bad[rng.random(ids.shape) < 0.1] = -1
+    offsets, sorted_rows, inverse, _ = _tile_maps(bad, e, rows)
+    valid = bad.reshape(-1) >= 0
+    assert offsets[e] == valid.sum()
+    assert_equal(np.flatnonzero(~valid), sorted_rows[offsets[e] :], name="invalid rows last")
+    assert_equal(np.arange(m * k), sorted_rows[inverse], name="inverse")
+
+
+def test_tile_sizes() -> None:
+    # Tiles of 4 tokens up to 256, then of 32 tokens (one a warp) while the table keeps 128
+    # tiles, then more per warp, never more than 1,024 rows; the workspace holds the largest
+    # table of any M up to its size.
+    tokens = routing_mod.route_tile_tokens
+    got = [tokens(m, 8) for m in (65, 256, 257, 4096, 4097, 8192, 12289, 16385, 10**6)]
+    assert got == [4, 4, 32, 32, 64, 64, 128, 128, 128]
+    assert [tokens(m, 4) for m in (129, 257, 32768, 10**6)] == [4, 32, 256, 256]
+    assert tokens(10**6, 1) == 1024
+    for e, k in ((256, 8), (32, 4), (60, 6), (8, 1), (128, 2)):
+        words = route_workspace_words(40000, e)
+        for m in range(1, 40001, 97):
+            t = tokens(m, k)
+            assert t * k <= 1024 and (t == 4 or t % 32 == 0)
+            tiles = -(-m // t)
+            assert tiles <= 128 or t * k > 512
+            assert tiles * (e + 1) <= min(words, route_workspace_words(m, e))
+    src = kernel_source("route")
+    assert "ids_s[kTileMaxRows]" in src and "kTileMaxRows = 1024;" in src
+    assert "cnt[32 * 257]" in src and "part[2 * 1024]" in src and "start[257]" in src
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize(
@@ -449,21 +537,114 @@ def test_route_cluster_matches_one_block(
     _check_routing(route_ref(x.get(), router), spread)
 
 
+def _garbage_workspace(m: int, e: int, rng: np.random.Generator):
+    cupy = pytest.importorskip("cupy")
+    words = route_workspace_words(m, e) + 3
+    return cupy.asarray(rng.integers(-(2**31), 2**31 - 1, words, dtype=np.int64).astype(np.int32))
+
+
+# The two launches above 512 rows: tiles of 4 to 128 tokens (blocks of 4 to 32 warps, up to 4
+# tokens a warp), a last partial tile (65 tokens), more than 128 tiles (20,000 tokens: each
+# block of maps_tiles_place sums 53 tiles per thread), E = 32 (31 lanes per bucket), k = 1, E
+# not a multiple of 32.
+TILE_SHAPES = [
+    (256, 8, 65),
+    (256, 8, 1000),
+    (256, 8, 4100),
+    (256, 8, 20000),
+    (32, 4, 5000),
+    (60, 6, 300),
+    (8, 1, 600),
+    (128, 2, 2000),
+    (250, 8, 777),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("e", "k", "m"), TILE_SHAPES)
+def test_route_tiles_match_reference(
+    e: int, k: int, m: int, method: RoutingMethod, rng: np.random.Generator
+) -> None:
+    dtype = (np.float32, BF16, np.float16)[(e + m) % 3]
+    router = _router(method, e, k, renormalize=m % 2 == 0)
+    x = _logits("ties" if m % 3 else "random", m, e, dtype, rng)
+    out = route(_device(x), router, out=_poisoned(m, e, k), workspace=_garbage_workspace(m, e, rng))
+    _check_routing(route_ref(x, router), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["inf", "nan", "equal"])
+def test_route_tiles_edge_values(kind: str, rng: np.random.Generator) -> None:
+    for method in METHODS:
+        router = _router(method, 256, 8)
+        x = _logits(kind, 200, 256, np.float32, rng)
+        _check_routing(route_ref(x, router), route(_device(x), router))
+
+
+@pytest.mark.gpu
+def test_route_tiles_workspace_reused(rng: np.random.Generator) -> None:
+    # One workspace and one set of buffers for calls of different sizes, larger and smaller,
+    # each against the reference (nothing of an earlier call may leak into a later one); and
+    # two calls with the same logits give the same bits.
+    e, k = 256, 8
+    work = _garbage_workspace(5000, e, rng)
+    bufs = Routing.empty(5000, e, k)
+    router = _router(RoutingMethod.SOFTMAX_TOPK, e, k)
+    for m in (5000, 70, 3000, 65, 4096, 5000):
+        x = _logits("random", m, e, BF16, rng)
+        out = bufs.prefix(m)
+        for a in (out.topk_ids, out.sorted_rows, out.inverse, out.active_experts):
+            a.fill(-7)
+        route(_device(x), router, out=out, workspace=work)
+        _check_routing(route_ref(x, router), out)
+    again = route(_device(x), router, out=Routing.empty(m, e, k), workspace=work)
+    for name in ("topk_ids", "topk_weights", "expert_offsets", "sorted_rows", "inverse"):
+        a, b = getattr(out, name).get(), getattr(again, name).get()
+        assert np.array_equal(a.view(np.int32), b.view(np.int32)), name
+
+
+@pytest.mark.gpu
+def test_route_workspace_validation() -> None:
+    cupy = pytest.importorskip("cupy")
+    router = Router(256, 8)
+    x = cupy.zeros((100, 256), np.float32)
+    need = route_workspace_words(100, 256)
+    with pytest.raises(TypeError, match="workspace"):
+        route(x, router, workspace=np.zeros(need, np.int32))
+    with pytest.raises(TypeError, match="workspace"):
+        route(x, router, workspace=cupy.zeros((2, need), np.int32))
+    with pytest.raises(TypeError, match="workspace"):
+        route(x, router, workspace=cupy.zeros(need, np.float32))
+    with pytest.raises(ValueError, match="workspace"):
+        route(x, router, workspace=cupy.zeros(need - 1, np.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("m", "e", "k"), [(4, 256, 8), (8, 256, 8), (64, 128, 4), (300, 256, 8), (3, 512, 8)]
+    ("m", "e", "k", "tiles"),
+    [
+        (4, 256, 8, False),
+        (8, 256, 8, False),
+        (64, 128, 4, False),
+        (300, 256, 8, False),
+        (300, 256, 8, True),
+        (3000, 32, 4, True),
+        (3, 512, 8, False),
+    ],
 )
-def test_route_cuda_graph(m: int, e: int, k: int, rng: np.random.Generator) -> None:
+def test_route_cuda_graph(m: int, e: int, k: int, tiles: bool, rng: np.random.Generator) -> None:
     cupy = pytest.importorskip("cupy")
     router = _router(RoutingMethod.SOFTMAX_TOPK, e, k)
     x = _logits("random", m, e, BF16, rng)
     xd = _device(x)
     out = Routing.empty(m + 5, e, k).prefix(m)
-    route(xd, router, out=out)  # warm-up: compile outside the capture
+    work = cupy.empty(route_workspace_words(m + 5, e), np.int32) if tiles else None
+    route(xd, router, out=out, workspace=work)  # warm-up: compile outside the capture
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         stream.begin_capture()
-        route(xd, router, out=out)
+        route(xd, router, out=out, workspace=work)
         graph = stream.end_capture()
     for a in (out.topk_ids, out.sorted_rows, out.inverse):
         a.fill(-1)

@@ -20,7 +20,7 @@ from .._runtime.backend import require_cupy
 from ..experts.dispatch import capturable, fc1, fc2, permutes_h, permutes_x
 from ..experts.gemm import permute_split
 from ..experts.gemv import PreparedFc1, PreparedFc2, prepare_fc1, prepare_fc2, scale_shift
-from ..routing import Routing, route
+from ..routing import Routing, route, route_workspace_words
 from .finalize import finalize
 
 __all__ = ["STAGES", "DeviceLayer", "Stage"]
@@ -35,6 +35,7 @@ Stage = tuple[str, Callable[[], Any]]
 @dataclasses.dataclass
 class _Workspace:
     routing: Routing  # buffers for max_tokens; .prefix(M) gives the views of one call
+    route_work: Any  # the routing's tile table (routing.route_workspace_words)
     h: Any  # [max_tokens * k, I] FC1 output (expanded order)
     y: Any  # [max_tokens * k, H] FC2 output (expanded order)
 
@@ -75,6 +76,7 @@ class DeviceLayer:
             rows = tokens * layer.top_k
             ws = _Workspace(
                 routing=Routing.empty(tokens, layer.n_experts, layer.top_k, xp=cupy),
+                route_work=cupy.empty(route_workspace_words(tokens, layer.n_experts), np.int32),
                 h=cupy.empty((rows, layer.intermediate), dtype),
                 y=cupy.empty((rows, layer.hidden), dtype),
             )
@@ -132,7 +134,12 @@ class DeviceLayer:
             (
                 "route",
                 lambda: route(
-                    logits, layer.router, router_weights=router_weights, out=routing, pdl=True
+                    logits,
+                    layer.router,
+                    router_weights=router_weights,
+                    out=routing,
+                    workspace=ws.route_work,
+                    pdl=True,
                 ),
             ),
             ("fc1", run_fc1),

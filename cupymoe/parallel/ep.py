@@ -42,7 +42,7 @@ from ..experts.gemv import prepare_fc1, prepare_fc2, scale_shift
 from ..experts.handover import choose
 from ..layer import MoELayer
 from ..layer.finalize import finalize
-from ..routing import Routing, route
+from ..routing import Routing, route, route_workspace_words
 from . import kernels
 from .placement import ExpertPlacement
 from .plan import capacity
@@ -56,6 +56,7 @@ class _Buffers:
     """Workspaces for ``max_tokens`` per rank (allocated once per activation dtype)."""
 
     home: Routing  # the home routing, max_tokens
+    route_work: Any  # int32 [route_workspace_words(max_tokens, E)]
     slot: Any  # int32 [max_tokens * k]
     base: Any  # int32 [E]
     run: Any  # int32 [W]
@@ -184,6 +185,7 @@ class ExpertParallelMoE:
             positions = w * capacity(lay.max_tokens, k, self.e_max)
             ws = _Buffers(
                 home=Routing.empty(lay.max_tokens, e, k, xp=cupy),
+                route_work=cupy.empty(route_workspace_words(lay.max_tokens, e), np.int32),
                 slot=cupy.zeros(lay.max_tokens * k, np.int32),
                 base=cupy.zeros(e, np.int32),
                 run=cupy.zeros(w, np.int32),
@@ -307,7 +309,7 @@ class ExpertParallelMoE:
             if not m:  # a home with no tokens still tells every owner: zero rows
                 ws.counts_to.fill(0)
                 return
-            route(logits, lay.router, out=home)
+            route(logits, lay.router, out=home, workspace=ws.route_work)
             kernels.home_tables(
                 home.expert_offsets,
                 self._owner,

@@ -8,7 +8,7 @@ routing) and :mod:`.maps` (the GPU expert maps).
 
 from .maps import GPU_MAX_EXPERTS, expert_maps
 from .reference import expert_maps_ref, random_routing, route_ref, sigmoid_f32
-from .topk import route
+from .topk import route, route_workspace_words
 from .types import (
     SPARSE_MIXER_EPS,
     SPARSE_MIXER_EXPERTS,
@@ -33,5 +33,6 @@ __all__ = [
     "random_routing",
     "route",
     "route_ref",
+    "route_workspace_words",
     "sigmoid_f32",
 ]

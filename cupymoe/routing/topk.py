@@ -3,8 +3,9 @@
 
 ``route`` makes the choices of :func:`~.reference.route_ref` bit for bit (the semantics of keys,
 ties, NaN, infinities and each method are stated there); weights equal the reference's to float32
-rounding. One launch at decode sizes (``cuda/route_fused.cu``: top-k and maps together), else a
-routing launch (``cuda/route.cu``) followed by :func:`~.maps.expert_maps`'s launches.
+rounding. One launch at decode sizes (``cuda/route_fused.cu``: top-k and maps together); above,
+with a workspace, the warp routing and the maps in two launches (``cuda/route.cu``: route_tiles,
+maps_tiles_place); else a routing launch followed by :func:`~.maps.expert_maps`'s launches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
-from .._runtime.compile import CTYPE, KernelSpec
+from .._runtime.compile import CTYPE, KernelSpec, get_kernel
 from .._runtime.launch import cluster_supported, launch
 from .maps import GPU_MAX_EXPERTS, maps_launch
 from .types import (
@@ -34,6 +35,8 @@ __all__ = [
     "fused_cluster_size",
     "kernel_specs",
     "route",
+    "route_tile_tokens",
+    "route_workspace_words",
 ]
 
 #: GPU limits: warp kernels (and the fused decode launch) up to these; the block kernel beyond.
@@ -42,6 +45,12 @@ GPU_MAX_TOP_K = 64
 #: One launch for routing and maps when M * k <= this (and the warp kernel applies): the maps in
 #: one warp up to 64 rows, in the whole first block above (``cuda/route_fused.cu`` kFusedRows).
 FUSED_MAX_ROWS = 512
+#: route_tiles / maps_tiles_place (``cuda/route.cu``): tiles of 4 tokens up to 256 tokens, else
+#: of 32 or more and at most 1,024 rows (route_tile_tokens); routing blocks of one warp per token
+#: up to 32 warps; maps_tiles_place blocks of 1,024 threads.
+_TILE_MIN_TOKENS, _TILE_MAX_ROWS, _TILE_TABLE_ROWS, _TILE_THREADS = 4, 1024, 128, 1024
+_TILE_SMALL_BATCH = 256
+_SMEM_RAISED: set[tuple[int, KernelSpec]] = set()
 
 
 def _kmethod(router: Router, gathered: bool) -> int:
@@ -62,6 +71,28 @@ def _warp_keys(n_experts: int, top_k: int) -> int:
     return max(1 << (per_lane - 1).bit_length(), 1 << (top_k - 1).bit_length())
 
 
+def route_tile_tokens(n_tokens: int, top_k: int) -> int:
+    """Tokens per tile (and block) of route_tiles. Up to 256 tokens, tiles of 4: a routing warp
+    per scheduler of up to 64 SMs (with 32 tokens a block, 8 warps shared each scheduler of a
+    few SMs: 10.2 µs at M = 65 against 6.5 for the routing and maps launches, H100). Above, 32
+    tokens a warp each, and more per warp from 4,096 tokens on so that the table keeps 128 tiles
+    (every block of maps_tiles_place reads all of it: 64 or 128 tiles of 8 tokens cost Qwen3.6
+    M = 1,024 16.8 µs against 11.2 for 32 of 32), at most 1,024 rows per tile. H100 figures:
+    docs/measurements.md, session 29."""
+    if n_tokens <= _TILE_SMALL_BATCH:
+        return _TILE_MIN_TOKENS
+    per_warp = -(-n_tokens // (32 * _TILE_TABLE_ROWS))
+    return 32 * max(1, min(per_warp, _TILE_MAX_ROWS // (32 * top_k)))
+
+
+def route_workspace_words(n_tokens: int, n_experts: int) -> int:
+    """int32 words of the ``workspace`` that :func:`route` takes for up to ``n_tokens`` tokens
+    (any top-k up to 8): the tile table, one row of ``E + 1`` counts per tile, for the most tiles
+    of any batch up to ``n_tokens``."""
+    tiles = min(-(-n_tokens // _TILE_MIN_TOKENS), max(_TILE_TABLE_ROWS, -(-n_tokens // 128)))
+    return (n_experts + 1) * max(1, tiles)
+
+
 def kernel_specs() -> list[KernelSpec]:
     """Every specialisation :func:`route` can launch (the maps: :func:`.maps.kernel_specs`)."""
     specs = []
@@ -74,6 +105,8 @@ def kernel_specs() -> list[KernelSpec]:
             for n in sparse_keys if method == 3 else (1, 2, 4, 8):
                 specs.append(KernelSpec("route", "route_warp", (ctype, method, n)))
                 specs.append(KernelSpec("route_fused", "route_fused", (ctype, method, n)))
+                specs.append(KernelSpec("route", "route_tiles", (ctype, method, n)))
+    specs.append(KernelSpec("route", "maps_tiles_place"))
     return specs
 
 
@@ -83,6 +116,7 @@ def route(
     *,
     router_weights: Any = None,
     out: Routing | None = None,
+    workspace: Any = None,
     pdl: bool = False,
 ) -> Routing:
     """Top-k routing and expert maps on the GPU; same semantics as :func:`route_ref`.
@@ -101,6 +135,11 @@ def route(
         (``Routing.empty(max_tokens, E, k).prefix(M)`` gives valid views). With ``out`` no
         memory is allocated and nothing synchronises: the call can be captured in a CUDA graph
         (after one warm-up call that compiles the kernels and copies ``correction_bias``).
+    workspace : cupy.ndarray, optional
+        int32 scratch of at least :func:`route_workspace_words` ``(M, E)`` words (any contents).
+        With it, ``M * k > 512`` (``E <= 256``, ``k <= 8``) takes two launches instead of
+        three to five; without it, and without ``out``, one is allocated. Calls that may run at
+        the same time need workspaces of their own.
     pdl : bool
         Make the one-launch path a programmatic dependent launch (:mod:`cupymoe._launch`): it
         may start while the previous kernel on the stream finishes, and waits for it before it
@@ -109,8 +148,8 @@ def route(
     Returns
     -------
     Routing
-        ``out`` when given. One launch when ``M * k <= 512``, ``E <= 256`` and ``k <= 8``;
-        otherwise a routing launch then :func:`expert_maps`.
+        ``out`` when given. One launch when ``M * k <= 512``, ``E <= 256`` and ``k <= 8``; two
+        above with a workspace; otherwise a routing launch then :func:`expert_maps`.
     """
     cupy = require_cupy()
     if not is_cupy_array(logits):
@@ -133,8 +172,19 @@ def route(
         check_router_weights(router_weights, logits, router)
         if m > 0 and not router_weights.flags.c_contiguous:
             raise ValueError("router_weights: expected a C-contiguous array")
+    if workspace is not None:
+        if not is_cupy_array(workspace) or workspace.ndim != 1 or workspace.dtype != np.int32:
+            raise TypeError("workspace: expected a 1-D cupy.ndarray of int32")
+        need = route_workspace_words(m, e)
+        if int(workspace.size) < need or not workspace.flags.c_contiguous:
+            raise ValueError(
+                f"workspace: expected at least {need} contiguous int32 words for {m} tokens "
+                f"and {e} experts, got {int(workspace.size)}"
+            )
     if out is None:
         out = Routing.empty(m, e, k, xp=cupy)
+        if workspace is None:
+            workspace = cupy.empty(route_workspace_words(m, e), np.int32)
     else:
         check_device_routing(out, n_tokens=m, n_experts=e, top_k=k, name="out")
     grouped = router.method is RoutingMethod.SIGMOID_GROUPED
@@ -180,6 +230,9 @@ def route(
                 cluster=ctas,
             )
             return out
+        if workspace is not None:
+            _route_tiles(head, tail, m, e, k, ctype, kmethod, keys, out, workspace, pdl)
+            return out
         spec = KernelSpec("route", "route_warp", (ctype, kmethod, keys))
         launch(spec, -(-m // 4), 128, (*head, np.int32(m), np.int32(e), np.int32(k), *tail))
     else:
@@ -194,6 +247,67 @@ def route(
         )
     maps_launch(out.topk_ids, n, e, out)
     return out
+
+
+def _route_tiles(
+    head: tuple[Any, ...],
+    tail: tuple[Any, ...],
+    m: int,
+    e: int,
+    k: int,
+    ctype: str,
+    kmethod: int,
+    keys: int,
+    out: Routing,
+    workspace: Any,
+    pdl: bool,
+) -> None:
+    """The two launches above the fused sizes (``cuda/route.cu``: route_tiles, then
+    maps_tiles_place as a programmatic dependent launch)."""
+    tokens = route_tile_tokens(m, k)
+    tiles, rows, warps = -(-m // tokens), tokens * k, min(tokens, 32)
+    spec = KernelSpec("route", "route_tiles", (ctype, kmethod, keys))
+    smem = 4 * 512 * warps if kmethod == 2 else 0
+    if smem:  # with the kernel's 37 KB of static shared memory, above the default 48 KB
+        key = (require_cupy().cuda.Device().id, spec)
+        if key not in _SMEM_RAISED:  # once per device, for the widest block
+            get_kernel(spec).max_dynamic_shared_size_bytes = 4 * 512 * 32
+            _SMEM_RAISED.add(key)
+    launch(
+        spec,
+        tiles,
+        32 * warps,
+        (
+            *head,
+            np.int32(m),
+            np.int32(e),
+            np.int32(k),
+            *tail,
+            out.inverse,
+            np.int32(tokens),
+            workspace,
+        ),
+        shared_mem=smem,
+        pdl=pdl,
+    )
+    launch(
+        KernelSpec("route", "maps_tiles_place"),
+        tiles,
+        _TILE_THREADS,
+        (
+            out.topk_ids,
+            np.int32(m * k),
+            np.int32(e),
+            np.int32(rows),
+            workspace,
+            out.expert_offsets,
+            out.sorted_rows,
+            out.inverse,
+            out.active_experts,
+            np.int32(min(m * k, e)),
+        ),
+        pdl=True,
+    )
 
 
 def fused_cluster_size(m: int, clusters: bool) -> int:
