@@ -483,20 +483,39 @@ def test_tile_maps_transcription(m: int, k: int, e: int, rng: np.random.Generato
 def test_tile_sizes() -> None:
     # Tiles of 4 tokens up to 256, then of 32 tokens (one a warp) while the table keeps 128
     # tiles, then more per warp, never more than 1,024 rows; the workspace holds the largest
-    # table of any M up to its size.
+    # table of any M up to its size that takes the two launches.
     tokens = routing_mod.route_tile_tokens
     got = [tokens(m, 8) for m in (65, 256, 257, 4096, 4097, 8192, 12289, 16385, 10**6)]
     assert got == [4, 4, 32, 32, 64, 64, 128, 128, 128]
     assert [tokens(m, 4) for m in (129, 257, 32768, 10**6)] == [4, 32, 256, 256]
     assert tokens(10**6, 1) == 1024
     for e, k in ((256, 8), (32, 4), (60, 6), (8, 1), (128, 2)):
-        words = route_workspace_words(40000, e)
-        for m in range(1, 40001, 97):
+        words = route_workspace_words(200000, e)
+        for m in range(1, 200001, 97):
             t = tokens(m, k)
             assert t * k <= 1024 and (t == 4 or t % 32 == 0)
             tiles = -(-m // t)
-            assert tiles <= 128 or t * k > 512
-            assert tiles * (e + 1) <= min(words, route_workspace_words(m, e))
+            applies = routing_mod._tiles_apply(m, k, 0)
+            assert applies == (tiles <= 128)
+            assert applies or t * k > 512  # only the largest tiles reach 129 tiles
+            if applies:
+                assert tiles * (e + 1) <= min(words, route_workspace_words(m, e))
+    assert routing_mod._tiles_apply(16384, 8, 0) and not routing_mod._tiles_apply(16385, 8, 0)
+
+
+@pytest.mark.parametrize(("limit", "small", "large"), [(101376, True, False), (232448, True, True)])
+def test_tiles_fit_shared_memory(limit: int, small: bool, large: bool, monkeypatch) -> None:
+    # The grouped sigmoid's 512 floats a routing warp on top of route_tiles' static counters: 4
+    # warps fit every device, 32 warps (101 KB) not the 99 KB of sm_86 / sm_89 / sm_120, which
+    # then keep the routing launch and the maps' launches. The other methods need no scratch.
+    monkeypatch.setattr(routing_mod, "max_shared_per_block", lambda: limit)
+    assert routing_mod._tiles_apply(200, 8, 2) is small  # tiles of 4 tokens
+    assert routing_mod._tiles_apply(4096, 8, 2) is large  # tiles of 32
+    assert routing_mod._tiles_apply(4096, 8, 0) and routing_mod._tiles_apply(4096, 8, 1)
+    src = kernel_source("route")
+    assert "ids_s[kTileMaxRows]" in src and "cnt[32 * 257]" in src
+    assert routing_mod._TILE_STATIC_SMEM == 4 * (1024 + 32 * 257)
+
     src = kernel_source("route")
     assert "ids_s[kTileMaxRows]" in src and "kTileMaxRows = 1024;" in src
     assert "cnt[32 * 257]" in src and "part[2 * 1024]" in src and "start[257]" in src
@@ -543,10 +562,10 @@ def _garbage_workspace(m: int, e: int, rng: np.random.Generator):
     return cupy.asarray(rng.integers(-(2**31), 2**31 - 1, words, dtype=np.int64).astype(np.int32))
 
 
-# The two launches above 512 rows: tiles of 4 to 128 tokens (blocks of 4 to 32 warps, up to 4
-# tokens a warp), a last partial tile (65 tokens), more than 128 tiles (20,000 tokens: each
-# block of maps_tiles_place sums 53 tiles per thread), E = 32 (31 lanes per bucket), k = 1, E
-# not a multiple of 32.
+# The two launches above 512 rows: tiles of 4, 32, 64 and 128 tokens (blocks of 4 or 32 warps,
+# up to 4 tokens a warp), a last partial tile (65 tokens), 65 tiles (4,100 tokens: each block of
+# maps_tiles_place sums 22 tiles per thread, two batches of loads), E = 32 (31 lanes per bucket),
+# k = 1, E not a multiple of 32; past 128 tiles (20,000 tokens) the routing and maps launches.
 TILE_SHAPES = [
     (256, 8, 65),
     (256, 8, 1000),

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
 from .._runtime.compile import CTYPE, KernelSpec, get_kernel
+from .._runtime.device import max_shared_per_block
 from .._runtime.launch import cluster_supported, launch
 from .maps import GPU_MAX_EXPERTS, maps_launch
 from .types import (
@@ -50,7 +51,9 @@ FUSED_MAX_ROWS = 512
 #: up to 32 warps; maps_tiles_place blocks of 1,024 threads.
 _TILE_MIN_TOKENS, _TILE_MAX_ROWS, _TILE_TABLE_ROWS, _TILE_THREADS = 4, 1024, 128, 1024
 _TILE_SMALL_BATCH = 256
-_SMEM_RAISED: set[tuple[int, KernelSpec]] = set()
+#: route_tiles' static shared memory: ids_s[1024] and cnt[32 * 257] (ints).
+_TILE_STATIC_SMEM = 4 * (1024 + 32 * 257)
+_SMEM_RAISED: dict[tuple[int, KernelSpec], int] = {}
 
 
 def _kmethod(router: Router, gathered: bool) -> int:
@@ -87,10 +90,9 @@ def route_tile_tokens(n_tokens: int, top_k: int) -> int:
 
 def route_workspace_words(n_tokens: int, n_experts: int) -> int:
     """int32 words of the ``workspace`` that :func:`route` takes for up to ``n_tokens`` tokens
-    (any top-k up to 8): the tile table, one row of ``E + 1`` counts per tile, for the most tiles
-    of any batch up to ``n_tokens``."""
-    tiles = min(-(-n_tokens // _TILE_MIN_TOKENS), max(_TILE_TABLE_ROWS, -(-n_tokens // 128)))
-    return (n_experts + 1) * max(1, tiles)
+    (any top-k up to 8): the tile table, one row of ``E + 1`` counts for each of at most 128
+    tiles."""
+    return (n_experts + 1) * max(1, min(-(-n_tokens // _TILE_MIN_TOKENS), _TILE_TABLE_ROWS))
 
 
 def kernel_specs() -> list[KernelSpec]:
@@ -137,13 +139,14 @@ def route(
         (after one warm-up call that compiles the kernels and copies ``correction_bias``).
     workspace : cupy.ndarray, optional
         int32 scratch of at least :func:`route_workspace_words` ``(M, E)`` words (any contents).
-        With it, ``M * k > 512`` (``E <= 256``, ``k <= 8``) takes two launches instead of
-        three to five; without it, and without ``out``, one is allocated. Calls that may run at
-        the same time need workspaces of their own.
+        With it, ``M * k > 512`` (``E <= 256``, ``k <= 8``, up to 128 tiles: 16,384 tokens at
+        top-8) takes two launches instead of three to five; without it, and without ``out``,
+        one is allocated. Calls that may run at the same time need workspaces of their own.
     pdl : bool
-        Make the one-launch path a programmatic dependent launch (:mod:`cupymoe._launch`): it
-        may start while the previous kernel on the stream finishes, and waits for it before it
-        reads ``logits`` or writes anything. Safe after any kernel.
+        Make the first launch a programmatic dependent launch (:mod:`cupymoe._launch`) where it
+        is the one-launch path or route_tiles: it may start while the previous kernel on the
+        stream finishes, and waits for it before it reads ``logits`` or writes anything. Safe
+        after any kernel. (maps_tiles_place, after route_tiles, is always one.)
 
     Returns
     -------
@@ -230,7 +233,7 @@ def route(
                 cluster=ctas,
             )
             return out
-        if workspace is not None:
+        if workspace is not None and _tiles_apply(m, k, kmethod):
             _route_tiles(head, tail, m, e, k, ctype, kmethod, keys, out, workspace, pdl)
             return out
         spec = KernelSpec("route", "route_warp", (ctype, kmethod, keys))
@@ -247,6 +250,22 @@ def route(
         )
     maps_launch(out.topk_ids, n, e, out)
     return out
+
+
+def _tiles_apply(m: int, k: int, kmethod: int) -> bool:
+    """Whether route_tiles runs this call (else the routing launch and the maps' launches): at
+    most 128 tiles (every block of maps_tiles_place reads the whole table, so its L2 reads grow
+    as the square of the tiles), and, for kMethod 2, the block's static and dynamic shared memory
+    within the device's opt-in limit (37 + 64 KB of 32 warps exceed sm_86/89/120's 99 KB)."""
+    tokens = route_tile_tokens(m, k)
+    if -(-m // tokens) > _TILE_TABLE_ROWS:
+        return False
+    return kmethod != 2 or _TILE_STATIC_SMEM + _tile_scratch(tokens) <= max_shared_per_block()
+
+
+def _tile_scratch(tokens: int) -> int:
+    """route_tiles' dynamic shared memory for kMethod 2: 512 floats per routing warp."""
+    return 4 * 512 * min(tokens, 32)
 
 
 def _route_tiles(
@@ -267,12 +286,12 @@ def _route_tiles(
     tokens = route_tile_tokens(m, k)
     tiles, rows, warps = -(-m // tokens), tokens * k, min(tokens, 32)
     spec = KernelSpec("route", "route_tiles", (ctype, kmethod, keys))
-    smem = 4 * 512 * warps if kmethod == 2 else 0
-    if smem:  # with the kernel's 37 KB of static shared memory, above the default 48 KB
+    smem = _tile_scratch(tokens) if kmethod == 2 else 0
+    if _TILE_STATIC_SMEM + smem > 48 * 1024:  # the kernel's limit, raised once per size
         key = (require_cupy().cuda.Device().id, spec)
-        if key not in _SMEM_RAISED:  # once per device, for the widest block
-            get_kernel(spec).max_dynamic_shared_size_bytes = 4 * 512 * 32
-            _SMEM_RAISED.add(key)
+        if _SMEM_RAISED.get(key, 0) < smem:
+            get_kernel(spec).max_dynamic_shared_size_bytes = smem
+            _SMEM_RAISED[key] = smem
     launch(
         spec,
         tiles,
