@@ -48,6 +48,7 @@ __all__ = [
     "all_kernel_specs",
     "compile_options",
     "get_kernel",
+    "get_kernel_with_smem",
     "kernel_cache_dir",
     "kernel_source",
     "nvrtc_module",
@@ -261,6 +262,21 @@ def get_kernel(spec: KernelSpec) -> Any:
                 kernel = module.get_function(spec.expression)
             _kernels[key] = kernel
         return kernel
+
+
+_smem_limits: dict[tuple[int, KernelSpec], int] = {}
+
+
+def get_kernel_with_smem(spec: KernelSpec, dynamic_bytes: int) -> Any:
+    """:func:`get_kernel`, with the kernel's dynamic shared-memory limit raised to at least
+    ``dynamic_bytes`` (a launch whose static and dynamic shared memory exceed 48 KB needs it;
+    the attribute is the kernel's, so it is set once per device and size)."""
+    kernel = get_kernel(spec)
+    key = (require_cupy().cuda.Device().id, spec)
+    if _smem_limits.get(key, 0) < dynamic_bytes:
+        kernel.max_dynamic_shared_size_bytes = dynamic_bytes
+        _smem_limits[key] = dynamic_bytes
+    return kernel
 
 
 def all_kernel_specs() -> list[KernelSpec]:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import require_cupy
-from .._runtime.compile import CTYPE, KernelSpec, get_kernel
+from .._runtime.compile import CTYPE, KernelSpec, get_kernel_with_smem
 from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
 from .._runtime.tensormap import UINT64, TensorMap, tiled
@@ -408,18 +408,11 @@ def default_config(
     )
 
 
-_SMEM_LIMIT_SET: dict[tuple[int, KernelSpec], int] = {}
-
-
 def _resident_blocks(spec: KernelSpec, config: GemmConfig | WgmmaConfig, smem: int) -> int:
     """Blocks per SM of a launch (occupancy calculator), after raising the kernel's dynamic
     shared-memory limit (kernels over 48 KB need it)."""
     cupy = require_cupy()
-    kernel = get_kernel(spec)
-    key = (cupy.cuda.Device().id, spec)
-    if _SMEM_LIMIT_SET.get(key, 0) < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-        _SMEM_LIMIT_SET[key] = smem
+    kernel = get_kernel_with_smem(spec, smem)
     blocks = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
         kernel.kernel.ptr, config.threads, smem
     )

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .._runtime.backend import is_cupy_array, require_cupy
-from .._runtime.compile import CTYPE, KernelSpec, get_kernel
+from .._runtime.compile import CTYPE, KernelSpec, get_kernel_with_smem
 from .._runtime.device import max_shared_per_block
 from .._runtime.launch import cluster_supported, launch
 from .maps import GPU_MAX_EXPERTS, maps_launch
@@ -53,7 +53,6 @@ _TILE_MIN_TOKENS, _TILE_MAX_ROWS, _TILE_TABLE_ROWS, _TILE_THREADS = 4, 1024, 128
 _TILE_SMALL_BATCH = 256
 #: route_tiles' static shared memory: ids_s[1024] and cnt[32 * 257] (ints).
 _TILE_STATIC_SMEM = 4 * (1024 + 32 * 257)
-_SMEM_RAISED: dict[tuple[int, KernelSpec], int] = {}
 
 
 def _kmethod(router: Router, gathered: bool) -> int:
@@ -287,11 +286,8 @@ def _route_tiles(
     tiles, rows, warps = -(-m // tokens), tokens * k, min(tokens, 32)
     spec = KernelSpec("route", "route_tiles", (ctype, kmethod, keys))
     smem = _tile_scratch(tokens) if kmethod == 2 else 0
-    if _TILE_STATIC_SMEM + smem > 48 * 1024:  # the kernel's limit, raised once per size
-        key = (require_cupy().cuda.Device().id, spec)
-        if _SMEM_RAISED.get(key, 0) < smem:
-            get_kernel(spec).max_dynamic_shared_size_bytes = smem
-            _SMEM_RAISED[key] = smem
+    if _TILE_STATIC_SMEM + smem > 48 * 1024:
+        get_kernel_with_smem(spec, smem)
     launch(
         spec,
         tiles,
