@@ -183,10 +183,9 @@ def route(
                 f"workspace: expected at least {need} contiguous int32 words for {m} tokens "
                 f"and {e} experts, got {int(workspace.size)}"
             )
+    allocates = out is None  # then a workspace too, where the two launches run
     if out is None:
         out = Routing.empty(m, e, k, xp=cupy)
-        if workspace is None:
-            workspace = cupy.empty(route_workspace_words(m, e), np.int32)
     else:
         check_device_routing(out, n_tokens=m, n_experts=e, top_k=k, name="out")
     grouped = router.method is RoutingMethod.SIGMOID_GROUPED
@@ -232,7 +231,9 @@ def route(
                 cluster=ctas,
             )
             return out
-        if workspace is not None and _tiles_apply(m, k, kmethod):
+        if (workspace is not None or allocates) and _tiles_apply(m, k, kmethod):
+            if workspace is None:
+                workspace = cupy.empty(route_workspace_words(m, e), np.int32)
             _route_tiles(head, tail, m, e, k, ctype, kmethod, keys, out, workspace, pdl)
             return out
         spec = KernelSpec("route", "route_warp", (ctype, kmethod, keys))
