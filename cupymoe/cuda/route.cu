@@ -190,16 +190,13 @@ __global__ void __launch_bounds__(1024, 1) route_tiles(
     cm::wait_upstream();  // the logits, and every buffer written here, belong to earlier kernels
     for (int tl = warp; tl < tokens; tl += n_warps) {
         const int t = first + tl;
-        float val[kN], sig[kN];
-        uint32_t top;
-        const uint64_t mine = rt::select_token_warp<T, kMethod, kN>(
-            logits + t * ld, E, k, n_group, topk_group, bias, scratch + warp * 512, lane, val,
-            sig, top);
         const float* mix = kMethod == 4 ? bias + (size_t)t * E : nullptr;
-        const float w = rt::weigh_token_warp<kMethod, kN>(mine, top, val, sig, k, scale,
-                                                          renormalize, lane, mix);
+        int id;
+        float w;
+        rt::route_token_warp<T, kMethod, kN>(logits + t * ld, E, k, n_group, topk_group, scale,
+                                              renormalize, bias, scratch + warp * 512, lane, mix,
+                                              id, w);
         if (lane < k) {
-            const int id = rt::key_expert(mine);
             ids_s[tl * k + lane] = id;
             topk_ids[t * k + lane] = id;
             topk_weights[t * k + lane] = w;
