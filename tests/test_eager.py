@@ -561,6 +561,17 @@ def _device(x: np.ndarray, logits: np.ndarray) -> tuple[Any, Any]:
 _PRESET_LAYERS: dict[str, cm.MoELayer] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_preset_layers():
+    """The cached layers go with the module, and their memory back to the device: a test worker
+    that moves on to other modules keeps no 5.6 GB DeepSeek-V3 layer that the other workers of a
+    parallel run on an 80 GB card would need."""
+    yield
+    if _PRESET_LAYERS:
+        _PRESET_LAYERS.clear()
+        _cupy().get_default_memory_pool().free_all_blocks()
+
+
 def _preset_layer(name: str) -> cm.MoELayer:
     """One layer per preset for the whole module (DeepSeek-V3: 5.6 GB of weights, drawn on the
     GPU in seconds); up to 8 tokens, the decode sizes the issue's targets name."""

@@ -421,6 +421,46 @@ def test_gemm_matches_references(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("act_name", ["relu", "identity", "gelu"])
+@pytest.mark.parametrize("tiling", TILINGS[1:], ids=_tiling_id)
+def test_gemm_non_gated_fc1_at_every_width(
+    rng: np.random.Generator, act_name: str, tiling: tuple[Any, ...]
+) -> None:
+    """The non-gated FC1 (one matrix, FC2's tiles, FC1's token-order rows) through every K-loop
+    width: relu and identity take the wgmma kernel's width-8 and width-16 loops at 1-16 rows per
+    expert (four consumer groups), gelu keeps the width-32 loop there; the "edges" rows, N and K
+    tails (I = 112: 7 m-tiles of 16; H = 336: 2.6 stages), bias, and x in the split order."""
+    import cupy
+
+    from cupymoe.experts.gemm import gemm_fc1_single
+    from cupymoe.experts.gemv import prepare_fc2, scale_shift
+
+    e, h, i, k = len(_EDGE_ROWS), 336, 112, 1
+    m = sum(_EDGE_ROWS)
+    w = random_fp4_experts(rng, e, i, h, "nvfp4")
+    bias = rng.standard_normal((e, i)).astype(np.float32)
+    prepared = prepare_fc2(w, bias=bias)
+    act = ActivationSpec(act_name)
+    ids = _case_ids(rng, "edges", m, k, e)
+    routing = _device_routing(ids, e)
+    cfg = _config(tiling)
+    x = rng.standard_normal((m, h)).astype(BF16)
+    offsets, rows, _, _ = expert_maps_ref(ids, e)
+    ref = fc1_ref(x[rows // k], w, None, offsets, act=act, gate_bias=bias)
+    shift = scale_shift(prepared, BF16)
+    permuted = [False, True] if isinstance(cfg, WgmmaConfig) else [False]
+    outs = []
+    for permuted_x in permuted:
+        out = cupy.full((m * k, i), np.nan, BF16)  # poisoned: every element must be written
+        xin = permute_split(cupy.asarray(x)) if permuted_x else cupy.asarray(x)
+        gemm_fc1_single(xin, prepared, routing, act=act, top_k=k, shift=shift, out=out,
+                        config=cfg, permuted_x=permuted_x)  # fmt: skip
+        _close(ref, out, BF16, f"fc1 {act_name} permuted_x={permuted_x}")
+        outs.append(out.view(np.uint16))
+    assert all(bool((o == outs[0]).all()) for o in outs[1:]), "x in the split order: the same h"
+
+
+@pytest.mark.gpu
 def test_gemm_and_gemv_agree_on_both_sides_of_the_hand_over(rng: np.random.Generator) -> None:
     """The layer across the GEMV/GEMM boundary: one row below, at and above it, against the
     reference; the GEMM result equals its graph replay bitwise."""
