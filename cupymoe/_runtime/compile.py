@@ -279,6 +279,28 @@ def get_kernel_with_smem(spec: KernelSpec, dynamic_bytes: int) -> Any:
     return kernel
 
 
+_resident: dict[tuple[int, KernelSpec, int, int], int] = {}
+
+
+def resident_blocks(spec: KernelSpec, threads: int, dynamic_bytes: int = 0) -> int:
+    """Blocks of ``threads`` threads (and ``dynamic_bytes`` of dynamic shared memory) that one SM
+    holds at once (the occupancy calculator; cached per device). ``ValueError`` where not even one
+    fits."""
+    key = (require_cupy().cuda.Device().id, spec, threads, dynamic_bytes)
+    if key not in _resident:
+        kernel = get_kernel_with_smem(spec, dynamic_bytes)
+        blocks = require_cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, threads, dynamic_bytes
+        )
+        if blocks < 1:
+            raise ValueError(
+                f"{spec.expression}: {threads} threads and {dynamic_bytes} bytes of shared "
+                "memory do not fit one SM"
+            )
+        _resident[key] = int(blocks)
+    return _resident[key]
+
+
 def all_kernel_specs() -> list[KernelSpec]:
     """Every specialisation any dispatcher of the package can select, without duplicates."""
     specs: dict[KernelSpec, None] = {}

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._runtime.backend import require_cupy
-from .._runtime.compile import CTYPE, KernelSpec, get_kernel_with_smem
+from .._runtime.compile import CTYPE, KernelSpec, resident_blocks
 from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
 from .._runtime.tensormap import UINT64, TensorMap, tiled
@@ -408,19 +407,6 @@ def default_config(
     )
 
 
-def _resident_blocks(spec: KernelSpec, config: GemmConfig | WgmmaConfig, smem: int) -> int:
-    """Blocks per SM of a launch (occupancy calculator), after raising the kernel's dynamic
-    shared-memory limit (kernels over 48 KB need it)."""
-    cupy = require_cupy()
-    kernel = get_kernel_with_smem(spec, smem)
-    blocks = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-        kernel.kernel.ptr, config.threads, smem
-    )
-    if blocks < 1:
-        raise ValueError(f"{spec.expression}: {smem} bytes of shared memory do not fit one SM")
-    return int(blocks)
-
-
 def _grid(
     spec: KernelSpec,
     config: GemmConfig | WgmmaConfig,
@@ -431,7 +417,7 @@ def _grid(
 ) -> int:
     """Persistent grid: every resident block, or fewer when the items cannot fill them (at most
     ``ceil(rows / bn) + slots`` row tiles)."""
-    resident = _resident_blocks(spec, config, smem) * sm_count()
+    resident = resident_blocks(spec, config.threads, smem) * sm_count()
     bound = (_ceil_div(rows, config.bn) + slots) * col_blocks
     return max(1, min(resident, bound))
 
