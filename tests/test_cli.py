@@ -398,3 +398,25 @@ def test_run_deepseek_on_the_numpy_backend_is_practical() -> None:
     assert "the experts the tokens select" not in result.stdout  # says how many
     assert re.search(r"the \d+ experts the tokens select, the others left zero", result.stdout)
     assert _error_ok(result.stdout)
+
+
+def test_python_m_cupymoe_is_the_command() -> None:
+    """``python -m cupymoe`` runs the same command as the ``cupymoe`` script (a source tree on
+    ``PYTHONPATH`` has no script)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-m", "cupymoe", "--version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == CliRunner().invoke(cli, ["--version"]).output.strip()
+    assert done.stdout.startswith("cupymoe, version ")
