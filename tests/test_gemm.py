@@ -500,11 +500,14 @@ def _both_sides(limit: float, e: int, k: int) -> list[int]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", ["fc1", "fc2"])
-def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> None:
+def test_backends_agree_at_the_hand_overs(
+    rng: np.random.Generator, op: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One row per expert either side of each threshold of the shape's analytic hand-over
     (:func:`.handover.hand_over_for`): the GEMV and the grouped GEMM, then the mma.sync tiling
-    and each wgmma tiling, against the reference and against each other; the automatic call
-    gives bitwise what its chosen backend gives."""
+    and each wgmma tiling, against the reference and against each other; with an empty tuning
+    cache the automatic call picks the side of each threshold its rows are on, and gives
+    bitwise what its chosen backend gives."""
     import cupy
 
     from cupymoe._runtime.device import max_shared_per_block
@@ -523,6 +526,7 @@ def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> 
         weights = prepare_fc2(down)
         n, kk = h, i
     hand = handover.hand_over_for(op, n, kk, e)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no tuned entry: the analytic rule
 
     def run(ids: np.ndarray, x: np.ndarray, **kw: Any) -> Any:
         routing = _device_routing(ids, e)
@@ -559,6 +563,12 @@ def test_backends_agree_at_the_hand_overs(rng: np.random.Generator, op: str) -> 
             # the automatic choice runs exactly one of the two
             shift = scale_shift(weights, BF16)
             chosen, config = handover.choose(weights, m * k, BF16, shift)
+            per_expert = m * k / min(m * k, e)
+            gemv_side = per_expert <= hand.gemv_max
+            assert chosen is (backends.GEMV if gemv_side else backends.GEMM), (op, m, chosen)
+            if not gemv_side:
+                wgmma_side = per_expert > hand.wgmma_min and bool(wgmmas)
+                assert isinstance(config, WgmmaConfig if wgmma_side else GemmConfig), (m, config)
             auto = run(ids, x)
             again = run(ids, x, backend=chosen, config=config)
             assert bool((auto.view(np.uint16) == again.view(np.uint16)).all())
