@@ -867,8 +867,9 @@ struct Gemm90 {
     // Scale, bias, activation, store; accumulator j of n8 block jb of an m-tile is (row g, tokens
     // 8jb + 2t + u) for j = 4jb + u, (row g + 8, same) for j = 4jb + 2 + u. The output goes
     // through shared memory kEpiRows rows at a time: the lanes store their 2-byte values into a
-    // staging buffer at the columns' positions, then the consumer threads copy whole rows
-    // out in 16-byte pieces. Stored from the fragments straight to global memory, a warp store
+    // staging buffer at the columns' positions (FC2, whose columns are contiguous: whole 8 x 8
+    // blocks by stmatrix, stage_fc2), then the consumer threads copy whole rows out in 16-byte
+    // pieces. Stored from the fragments straight to global memory, a warp store
     // covered 4 rows x 16 bytes, and the epilogue (during which the tensor cores idle: all
     // groups finish an item together) took 40 % of Qwen3.6's FC2. Two buffers: chunk c + 1 is
     // staged while other warps still copy chunk c out, one barrier per chunk. `epi`: the
@@ -907,34 +908,74 @@ struct Gemm90 {
         for (int c = 0; c < kBN / kEpiRows; ++c) {
             if (kEpiRows * c >= it.rows) break;  // uniform: the whole item's
             uint8_t* const buf = epi + (ep & 1) * (kEpiRows * kEpiStride);
-            // 32-bit shared addresses: generic pointers take two registers each, which the
-            // four-group consumers (104 registers) cannot spare around a gated activation.
-            const uint32_t buf_s = smem_u32(buf) + 2 * t * kEpiStride;
+            if constexpr (kAct == 0) {
+                stage_fc2(it, w, acc, c, smem_u32(buf), lane, f0, b0);
+            } else {
+                // 32-bit shared addresses: generic pointers take two registers each, which the
+                // four-group consumers (104 registers) cannot spare around a gated activation.
+                const uint32_t buf_s = smem_u32(buf) + 2 * t * kEpiStride;
 #pragma unroll
-            for (int u = 0; u < kMT; ++u)
+                for (int u = 0; u < kMT; ++u)
 #pragma unroll
-                for (int jh = 0; jh < kJH; ++jh)
+                    for (int jh = 0; jh < kJH; ++jh)
 #pragma unroll
-                    for (int v = 0; v < 2; ++v) {
-                        // Uniform: width 8 leaves n8 blocks past the item's 8 rows unwritten.
-                        if (kNarrow && kEpiRows * c + 8 * jh >= it.rows) break;
-                        const int jb = kJH * c + jh;
-                        const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;
-                        if constexpr (kGated) {
-                            sts16(row + pos[u][0], bits16(cm::from_float<T>(activate<kAct>(
-                                acc[u][4 * jb + v] * f0 + b0[u][0], acc[u][4 * jb + 2 + v] * f1 + b1[u],
-                                p.act))));
-                        } else {
+                        for (int v = 0; v < 2; ++v) {
+                            // Uniform: width 8 leaves n8 blocks past the item's 8 rows unwritten.
+                            if (kNarrow && kEpiRows * c + 8 * jh >= it.rows) break;
+                            const int jb = kJH * c + jh;
+                            const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;
+                            if constexpr (kGated) {
+                                sts16(row + pos[u][0], bits16(cm::from_float<T>(activate<kAct>(
+                                    acc[u][4 * jb + v] * f0 + b0[u][0], acc[u][4 * jb + 2 + v] * f1 + b1[u],
+                                    p.act))));
+                            } else {
 #pragma unroll
-                            for (int h = 0; h < 2; ++h)
-                                sts16(row + pos[u][h], bits16(cm::from_float<T>(activate1<kAct>(
-                                    acc[u][4 * jb + 2 * h + v] * f0 + b0[u][h], p.act))));
+                                for (int h = 0; h < 2; ++h)
+                                    sts16(row + pos[u][h], bits16(cm::from_float<T>(activate1<kAct>(
+                                        acc[u][4 * jb + 2 * h + v] * f0 + b0[u][h], p.act))));
+                            }
                         }
-                    }
+            }
             // The chunk staged; the other buffer's copy-out (chunk c - 1) done by every thread.
             asm volatile("bar.sync 1, %0;" ::"n"(kCons) : "memory");
             copy_out(it, buf, kEpiRows * c, col0);
             ++ep;
+        }
+    }
+
+    // FC2's chunk c (rows 16c .. 16c + 15 of the item) into the staging buffer at buf: its output
+    // columns are contiguous in a staged row (no split order, no activation), so each 8 x 8 block
+    // of a warp's fragment (m-tile columns g or g + 8, an n8 block of rows) goes in by one
+    // transposing stmatrix: 4 blocks per instruction where sts16 took one value (the stores were
+    // half of a 144-row item's epilogue instructions). Lane l gives row l % 8 of block l / 8 =
+    // (n8 block jh, column half h) = (l / 16, (l / 8) % 2); rows kEpiStride apart start 4 banks
+    // apart, so the 8 rows of a block fill the 32 banks once. Same values as the sts16 path.
+    __device__ __forceinline__ void stage_fc2(const Item& it, int w, const float (&acc)[kMT][kAcc],
+                                              int c, uint32_t buf, int lane, float f0,
+                                              const float (&b0)[kMT][2]) const {
+        const uint32_t row = buf + (8 * (lane / 16) + lane % 8) * kEpiStride + 16 * ((lane / 8) % 2);
+        // Width 8 (kNarrow) leaves the second n8 block of a chunk of at most 8 rows unwritten.
+        const bool one = kNarrow && kEpiRows * c + 8 >= it.rows;  // uniform: the item's
+#pragma unroll
+        for (int u = 0; u < kMT; ++u) {
+            uint32_t r[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int jb = kJH * c + i / 2, h = i % 2;
+                const float* const a = &acc[u][4 * jb + 2 * h];
+                r[i] = bits16(cm::from_float<T>(a[0] * f0 + b0[u][h])) |
+                       bits16(cm::from_float<T>(a[1] * f0 + b0[u][h])) << 16;
+            }
+            const uint32_t dst = row + 32 * (4 * kGroups * u + w);
+            if (one) {
+                asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};"
+                             ::"r"(dst), "r"(r[0]), "r"(r[1])
+                             : "memory");
+            } else {
+                asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                             ::"r"(dst), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                             : "memory");
+            }
         }
     }
 
