@@ -426,6 +426,49 @@ def test_same_buffers_get_an_in_place_graph_after_bind_after_calls(fake: Any) ->
     assert [e[0] for e in fake.cuda.take()] == ["memcpy", "memcpy", "launch", "memcpy"]
 
 
+def test_in_place_graphs_off_records_none_and_keeps_the_bound_ones(fake: Any) -> None:
+    """``in_place = False`` (``MoELayer.in_place_graphs``): no capture starts during a call, the
+    copies keep working, a graph recorded before keeps serving its buffers; back on, recording
+    resumes."""
+    x, logits = _fake_inputs()
+    out, other = _FakeArray((1, H), BF16), _FakeArray((1, H), BF16)
+    g = fake.graphs
+    g.call_device(x, logits, out)
+    for _ in range(BIND_AFTER):
+        g.hit(x, logits, out)
+    assert fake.in_place == [(x.data.ptr, logits.data.ptr, out.data.ptr)]
+    g.in_place = False
+    for _ in range(3 * BIND_AFTER):
+        assert g.hit(x, logits, other) is other
+    assert len(fake.in_place) == 1, "no capture while off"
+    fake.cuda.take()
+    assert g.hit(x, logits, other) is other
+    assert [e[0] for e in fake.cuda.take()] == ["memcpy", "memcpy", "launch", "memcpy"]
+    assert g.hit(x, logits, out) is out
+    assert fake.cuda.take() == [("launch", 0x101, 0x50)], "the bound graph still serves"
+    g.in_place = True
+    for _ in range(BIND_AFTER):
+        g.hit(x, logits, other)
+    assert fake.in_place[1:] == [(x.data.ptr, logits.data.ptr, other.data.ptr)]
+
+
+def test_moe_layer_in_place_graphs_reaches_its_graphs() -> None:
+    import cupymoe as cm
+    from cupymoe.presets import random_fp4_experts
+
+    rng = np.random.default_rng(0)
+    gate, up = (random_fp4_experts(rng, 2, 32, 64, "nvfp4") for _ in range(2))
+    layer = cm.MoELayer((gate, up), random_fp4_experts(rng, 2, 64, 32, "nvfp4"), top_k=1)
+    assert layer.in_place_graphs is True
+    layer.in_place_graphs = False
+    assert layer.in_place_graphs is False
+    layer._graphs = EagerGraphs(_fake_layer(True), in_place=layer.in_place_graphs)
+    layer.in_place_graphs = True
+    assert layer._graphs.in_place is True
+    with pytest.raises(TypeError, match="in_place_graphs"):
+        layer.in_place_graphs = 0  # type: ignore[assignment]
+
+
 def test_a_result_dropped_before_the_next_call_is_bound_too(fake: Any) -> None:
     class Pooled(_FakeArray):  # CuPy's pool hands the freed block of the last result out again
         def __init__(self, shape: tuple[int, ...], dtype: Any, **kw: Any) -> None:
@@ -864,3 +907,24 @@ def test_gemv_config_is_read_when_a_graph_is_recorded(monkeypatch: pytest.Monkey
     for _ in range(2 * BIND_AFTER):
         assert _same(layer(xd, ld, out=out), forced), "and the in-place graph too"
     assert layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)].bound
+
+
+@pytest.mark.gpu
+def test_in_place_graphs_off_on_the_gpu() -> None:
+    """``layer.in_place_graphs = False``: the same buffers call after call keep the copies (no
+    capture), with the same bits; back on, the next calls record the graph on them."""
+    cupy = _cupy()
+    layer = _small_layer(12)
+    layer.in_place_graphs = False
+    xd, ld = _device(*_inputs(12, 4))
+    want = layer(xd, ld, replay=False)
+    out = cupy.full_like(want, np.nan)
+    for _ in range(3 * BIND_AFTER):
+        assert _same(layer(xd, ld, out=out), want)
+    recorded = layer._graphs.last[hit_key(cupy.cuda.get_current_stream().ptr, xd.size)]
+    assert not recorded.bound and recorded.bind_error is None
+    layer.in_place_graphs = True
+    for _ in range(BIND_AFTER + 1):
+        out.fill(np.nan)
+        assert _same(layer(xd, ld, out=out), want)
+    assert len(recorded.bound) == 1 and recorded.bind_error is None

@@ -33,11 +33,14 @@ Such a graph shares the intermediate buffers of the graph it was derived from an
 the same stream; it is only launched when all three addresses match, so it reads and writes the
 caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph and at most
 :data:`BIND_BUDGET` are ever recorded for it (a caller whose buffers never settle pays a bounded
-number of captures, then always copies). Not bound: addresses that are not 16-byte aligned (the
-kernels would take other specialisations), arrays on another device than the layer's, an
-``out`` that overlaps an input, and any recording after an environment variable of
-:data:`RECORDED_ONCE` changed (the new graph would take other tilings than the one it stands in
-for). A tuning cache read again in the same process
+number of captures, then always copies). ``MoELayer.in_place_graphs = False`` turns the
+recording off: a capture fails if another thread synchronises the device while it runs (the
+call then goes on with the copies and keeps the error on the :class:`Replay`), so a server that
+synchronises from other threads may prefer calls that never start one. Not bound: addresses
+that are not 16-byte aligned (the kernels would take other specialisations), arrays on another
+device than the layer's, an ``out`` that overlaps an input, and any recording after an
+environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other tilings
+than the one it stands in for). A tuning cache read again in the same process
 (``cupymoe tune``, ``cupymoe.experts.cache.clear_cache``) is not detected: an in-place graph
 recorded after it takes the new tilings; call ``MoELayer.clear_cache`` after it, as for the
 variables.
@@ -284,9 +287,17 @@ class EagerGraphs:
     """
 
     def __init__(
-        self, layer: Any, capacity: int = MAX_GRAPHS, *, cuda: CudaCalls | None = None
+        self,
+        layer: Any,
+        capacity: int = MAX_GRAPHS,
+        *,
+        cuda: CudaCalls | None = None,
+        in_place: bool = True,
     ) -> None:
         self.layer = layer
+        #: Whether graphs are recorded on callers' buffers (``MoELayer.in_place_graphs``); off,
+        #: no capture starts during a call, and graphs recorded before keep serving their buffers.
+        self.in_place = in_place
         self.graphs = GraphCache(capacity, on_evict=self._evict)
         #: The graph each stream (and ``x.size``) replayed last: what :meth:`hit` matches.
         self.last: dict[Hashable, Replay] = {}
@@ -400,7 +411,7 @@ class EagerGraphs:
         memcpy(r.logits_dst, addresses[1], r.logits_nbytes, _DEVICE_TO_DEVICE, stream)
         cuda.graph_launch(r.graph_exec, stream)
         memcpy(addresses[2], r.out_src, r.x_nbytes, _DEVICE_TO_DEVICE, stream)
-        if r.binds_left > 0:
+        if r.binds_left > 0 and self.in_place:
             self._count(r, addresses, x, logits, out)
 
     def _count(

@@ -234,6 +234,7 @@ class MoELayer:
         self.weight_layout = WeightLayout.parse(weight_layout, "weight_layout")  # before any upload
         self._gpu: DeviceLayer | None = None  # built on first GPU use (device_layer)
         self._graphs: EagerGraphs | None = None  # eager calls' CUDA graphs, built on first call
+        self._in_place_graphs = True
         self._warned_reference = False
 
     # ---- shapes ------------------------------------------------------------------------------
@@ -405,7 +406,7 @@ class MoELayer:
             ld = ld.astype(np.float32)
         if replay and m > 0 and router_weights is None:
             if graphs is None:
-                graphs = self._graphs = EagerGraphs(self)
+                graphs = self._graphs = EagerGraphs(self, in_place=self._in_place_graphs)
             result = graphs.call_device(x, ld, out) if on_device else graphs.call_host(x, ld, out)
             if result is not None:
                 return result
@@ -425,6 +426,25 @@ class MoELayer:
             out[...] = host
             return out
         return host
+
+    @property
+    def in_place_graphs(self) -> bool:
+        """Whether eager calls that pass the same ``x``, ``router_logits`` and ``out`` buffers
+        again and again get a graph recorded on those buffers (no copies; default ``True``,
+        :mod:`cupymoe.layer.eager`). Set ``False`` where no CUDA graph capture may start during
+        a call, e.g. a server whose other threads synchronise the device at any time (a capture
+        fails then; the call still returns the right result through the copies): the calls keep
+        replaying the layer's graph with copies, and graphs already recorded on buffers keep
+        serving them."""
+        return self._in_place_graphs
+
+    @in_place_graphs.setter
+    def in_place_graphs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"in_place_graphs: expected a bool, got {type(value).__name__}")
+        self._in_place_graphs = value
+        if self._graphs is not None:
+            self._graphs.in_place = value
 
     def clear_cache(self) -> None:
         """Forget the CUDA graphs recorded for eager calls; the next call of each token count
