@@ -911,8 +911,9 @@ def test_gemv_config_is_read_when_a_graph_is_recorded(monkeypatch: pytest.Monkey
 
 @pytest.mark.gpu
 def test_in_place_graphs_off_on_the_gpu() -> None:
-    """``layer.in_place_graphs = False``: the same buffers call after call keep the copies (no
-    capture), with the same bits; back on, the next calls record the graph on them."""
+    """``layer.in_place_graphs = False`` (set before the first call, so the layer's graphs are
+    made with it): the same buffers call after call keep the copies (no in-place capture), with
+    the same bits; back on, the next calls record the graph on them."""
     cupy = _cupy()
     layer = _small_layer(12)
     layer.in_place_graphs = False

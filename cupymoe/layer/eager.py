@@ -33,14 +33,16 @@ Such a graph shares the intermediate buffers of the graph it was derived from an
 the same stream; it is only launched when all three addresses match, so it reads and writes the
 caller's arrays and nothing else. At most :data:`MAX_BOUND` are kept per graph and at most
 :data:`BIND_BUDGET` are ever recorded for it (a caller whose buffers never settle pays a bounded
-number of captures, then always copies). ``MoELayer.in_place_graphs = False`` turns the
-recording off: a capture fails if another thread synchronises the device while it runs (the
-call then goes on with the copies and keeps the error on the :class:`Replay`), so a server that
-synchronises from other threads may prefer calls that never start one. Not bound: addresses
-that are not 16-byte aligned (the kernels would take other specialisations), arrays on another
-device than the layer's, an ``out`` that overlaps an input, and any recording after an
-environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other tilings
-than the one it stands in for). A tuning cache read again in the same process
+number of captures, then always copies). ``MoELayer.in_place_graphs = False`` turns these
+recordings off: a capture fails if another thread synchronises the device while it runs (an
+in-place one is then dropped and the call goes on with the copies, the error kept on the
+:class:`Replay`), so a server that synchronises from other threads may prefer that no capture
+starts in the middle of its decode loop. The first call of each token count, dtypes and stream
+still records the layer's graph (warm those up first, or call with ``replay=False``). Not
+bound: addresses that are not 16-byte aligned (the kernels would take other specialisations),
+arrays on another device than the layer's, an ``out`` that overlaps an input, and any recording
+after an environment variable of :data:`RECORDED_ONCE` changed (the new graph would take other
+tilings than the one it stands in for). A tuning cache read again in the same process
 (``cupymoe tune``, ``cupymoe.experts.cache.clear_cache``) is not detected: an in-place graph
 recorded after it takes the new tilings; call ``MoELayer.clear_cache`` after it, as for the
 variables.
@@ -296,7 +298,7 @@ class EagerGraphs:
     ) -> None:
         self.layer = layer
         #: Whether graphs are recorded on callers' buffers (``MoELayer.in_place_graphs``); off,
-        #: no capture starts during a call, and graphs recorded before keep serving their buffers.
+        #: no such capture starts, and graphs recorded before keep serving their buffers.
         self.in_place = in_place
         self.graphs = GraphCache(capacity, on_evict=self._evict)
         #: The graph each stream (and ``x.size``) replayed last: what :meth:`hit` matches.

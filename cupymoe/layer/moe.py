@@ -431,11 +431,12 @@ class MoELayer:
     def in_place_graphs(self) -> bool:
         """Whether eager calls that pass the same ``x``, ``router_logits`` and ``out`` buffers
         again and again get a graph recorded on those buffers (no copies; default ``True``,
-        :mod:`cupymoe.layer.eager`). Set ``False`` where no CUDA graph capture may start during
-        a call, e.g. a server whose other threads synchronise the device at any time (a capture
-        fails then; the call still returns the right result through the copies): the calls keep
-        replaying the layer's graph with copies, and graphs already recorded on buffers keep
-        serving them."""
+        :mod:`cupymoe.layer.eager`). Set ``False`` where no CUDA graph capture may start in the
+        middle of a decode loop, e.g. a server whose other threads synchronise the device at any
+        time (an in-place capture fails then, and the call goes on with the copies): the calls
+        keep replaying the layer's graph with copies, and graphs already recorded on buffers keep
+        serving them. The first call of each token count, dtypes and stream still records the
+        layer's own graph: make those calls before other threads run, or pass ``replay=False``."""
         return self._in_place_graphs
 
     @in_place_graphs.setter
