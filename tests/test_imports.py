@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("testing",),
     ("bench",),
     ("cli",),
+    ("__main__",),  # python -m cupymoe: the command
     ("",),  # cupymoe/__init__.py: the public API
 )
 _RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
