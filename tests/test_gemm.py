@@ -511,7 +511,7 @@ def test_backends_agree_at_the_hand_overs(
     import cupy
 
     from cupymoe._runtime.device import max_shared_per_block
-    from cupymoe.experts import handover
+    from cupymoe.experts import cache, handover
     from cupymoe.experts.gemm import wgmma_enabled
     from cupymoe.experts.gemv import prepare_fc1, prepare_fc2, scale_shift
 
@@ -526,8 +526,6 @@ def test_backends_agree_at_the_hand_overs(
         weights = prepare_fc2(down)
         n, kk = h, i
     hand = handover.hand_over_for(op, n, kk, e)
-    from cupymoe.experts import cache
-
     # an empty tuning cache, the analytic rule (the kernel cache, under the same base, stays)
     monkeypatch.setattr(cache, "_default_file", lambda: str(tmp_path / "gemv_tune.json"))
 

@@ -899,7 +899,8 @@ struct Gemm90 {
                 const int col = kGated ? tile * 8 + g : tile * 16 + g + 8 * h;
                 const bool in = col < p.n;  // columns past n are staged and never copied out
                 // split_position keeps a column within its 128-column stage: in the tile's row.
-                pos[u][h] = 2 * (split_position(col, whole) - col0);
+                // (FC2's stage_fc2 places whole blocks and needs no positions.)
+                if constexpr (kAct != 0) pos[u][h] = 2 * (split_position(col, whole) - col0);
                 b0[u][h] = kBias && in ? p.bias0[(size_t)it.e * p.n + col] : 0.0f;
                 if (h == 0) b1[u] = kGated && kBias && in ? p.bias1[(size_t)it.e * p.n + col] : 0.0f;
             }
