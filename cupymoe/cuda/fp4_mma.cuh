@@ -195,6 +195,18 @@ template <int kFormat, typename T> __device__ __forceinline__ uint32_t scale_bit
 
 // ---- activations in fp32 (kAct = experts/activation.py: Activation.code, the one table of codes:
 // 0 none (FC2), gated 1 swiglu, 2 geglu, 3 swiglu_oai; non-gated 4 relu, 5 gelu, 6 silu, 7 identity)
+
+// v sigmoid(a v) = v / (1 + e^(-a v)) by the fast intrinsics: __expf (ex2.approx of the argument
+// times log2 e) and __fdividef (v times rcp.approx of the sum). Their error, a few ulp of fp32 for
+// the arguments an activation sees, is far below the 16-bit output's rounding (2^-9 and 2^-12
+// relative); expf and the IEEE division took about 22 instructions per value with a branch to a
+// slow path, which the tensor cores wait out in the wgmma kernel's gated epilogue. The limits
+// stay the reference's: v -> +inf gives v, v -> -inf gives -inf / inf = NaN, and below about -87
+// (1 + e^(-v) past 2^126, where rcp.approx flushes) -0 for a value under 2^-120 in magnitude.
+__device__ __forceinline__ float sigmoid_times(float v, float a) {
+    return __fdividef(v, 1.0f + __expf(-a * v));
+}
+
 struct ActArgs {  // swiglu_oai, the general SwiGLU: g sigmoid(alpha g) (u + beta), clamp limit
     float alpha, beta, limit;
 };
@@ -202,7 +214,7 @@ struct ActArgs {  // swiglu_oai, the general SwiGLU: g sigmoid(alpha g) (u + bet
 template <int kAct> __device__ __forceinline__ float activate(float g, float u, const ActArgs& a) {
     static_assert(kAct >= 1 && kAct <= 3, "activate: the gated kinds 1..3");
     if constexpr (kAct == 1) {
-        return g / (1.0f + expf(-g)) * u;
+        return sigmoid_times(g, 1.0f) * u;
     } else if constexpr (kAct == 2) {
         return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
     } else {
@@ -210,7 +222,7 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
         // reach the output like it does in the reference.
         g = g > a.limit ? a.limit : g;
         u = u > a.limit ? a.limit : (u < -a.limit ? -a.limit : u);
-        return g / (1.0f + expf(-a.alpha * g)) * (u + a.beta);
+        return sigmoid_times(g, a.alpha) * (u + a.beta);
     }
 }
 // gpt-oss's swiglu_oai (beta 1) and the other gated kinds with two scalars.
@@ -228,7 +240,7 @@ template <int kAct> __device__ __forceinline__ float activate1(float v, const Ac
     } else if constexpr (kAct == 5) {
         return 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     } else if constexpr (kAct == 6) {
-        return v / (1.0f + expf(-v));
+        return sigmoid_times(v, 1.0f);
     } else {
         return v;
     }
