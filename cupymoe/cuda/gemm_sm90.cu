@@ -441,14 +441,16 @@ struct Gemm90 {
     // buffers of the widest tile (experts/gemm.py _EPI_BYTES); a staged row is the tile's kBC
     // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
     static constexpr int kBC = kBMT * kRowsPerTile;               // output columns of a tile
-    static constexpr int kEpiRows = 16;
-    static constexpr int kJH = 2;  // n8 blocks per staged chunk
-    static constexpr int kEpiStride = kBC * 2 + 16;
-    static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     // kBN 144: the staging buffers are the item's last stage slot, released to the producer only
     // after the epilogue, so that four stages fit the block's shared memory (three ran full
-    // 128-row tiles 2-10 % slower: the ring refills during an epilogue).
+    // 128-row tiles 2-10 % slower: the ring refills during an epilogue). The slot holds chunks of
+    // 32 rows: five barriers per item instead of nine.
     static constexpr bool kEpiInSlot = kBN > 128;
+    static constexpr int kEpiRows = kEpiInSlot ? 32 : 16;
+    static constexpr int kEpiChunks = (kBN + kEpiRows - 1) / kEpiRows;
+    static constexpr int kJH = kEpiRows / 8;  // n8 blocks per staged chunk
+    static constexpr int kEpiStride = kBC * 2 + 16;
+    static constexpr int kEpiBytes = 2 * kEpiRows * (kBMT * 16 * 2 + 16);
     static_assert(!kEpiInSlot || kEpiBytes <= kStageBytes, "the staging buffers fit a slot");
     static constexpr int kTableShift = Dec::kExp == -126 ? 116 : 0;
     // K loops at wgmma widths 16 and 8 for tiles of up to 16 and 8 rows (an expert's only tile
@@ -906,7 +908,7 @@ struct Gemm90 {
             }
         }
 #pragma unroll
-        for (int c = 0; c < kBN / kEpiRows; ++c) {
+        for (int c = 0; c < kEpiChunks; ++c) {
             if (kEpiRows * c >= it.rows) break;  // uniform: the whole item's
             uint8_t* const buf = epi + (ep & 1) * (kEpiRows * kEpiStride);
             if constexpr (kAct == 0) {
@@ -921,9 +923,12 @@ struct Gemm90 {
                     for (int jh = 0; jh < kJH; ++jh)
 #pragma unroll
                         for (int v = 0; v < 2; ++v) {
-                            // Uniform: width 8 leaves n8 blocks past the item's 8 rows unwritten.
-                            if (kNarrow && kEpiRows * c + 8 * jh >= it.rows) break;
+                            // Uniform: width 8 leaves n8 blocks past the item's 8 rows
+                            // unwritten; a 32-row chunk skips the activations of rows past the
+                            // item, and kBN 144's last chunk has 16 rows.
+                            if ((kNarrow || kEpiInSlot) && kEpiRows * c + 8 * jh >= it.rows) break;
                             const int jb = kJH * c + jh;
+                            if (jb >= kBN / 8) break;
                             const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;
                             if constexpr (kGated) {
                                 sts16(row + pos[u][0], bits16(cm::from_float<T>(activate<kAct>(
@@ -944,38 +949,44 @@ struct Gemm90 {
         }
     }
 
-    // FC2's chunk c (rows 16c .. 16c + 15 of the item) into the staging buffer at buf: its output
+    // FC2's chunk c (rows kEpiRows c .. of the item) into the staging buffer at buf: its output
     // columns are contiguous in a staged row (no split order, no activation), so each 8 x 8 block
     // of a warp's fragment (m-tile columns g or g + 8, an n8 block of rows) goes in by one
     // transposing stmatrix: 4 blocks per instruction where sts16 took one value (the stores were
     // half of a 144-row item's epilogue instructions). Lane l gives row l % 8 of block l / 8 =
-    // (n8 block jh, column half h) = (l / 16, (l / 8) % 2); rows kEpiStride apart start 4 banks
+    // (n8 block 2 pr + l / 16, column half (l / 8) % 2); rows kEpiStride apart start 4 banks
     // apart, so the 8 rows of a block fill the 32 banks once. Same values as the sts16 path.
     __device__ __forceinline__ void stage_fc2(const Item& it, int w, const float (&acc)[kMT][kAcc],
                                               int c, uint32_t buf, int lane, float f0,
                                               const float (&b0)[kMT][2]) const {
-        const uint32_t row = buf + (8 * (lane / 16) + lane % 8) * kEpiStride + 16 * ((lane / 8) % 2);
         // Width 8 (kNarrow) leaves the second n8 block of a chunk of at most 8 rows unwritten.
         const bool one = kNarrow && kEpiRows * c + 8 >= it.rows;  // uniform: the item's
 #pragma unroll
-        for (int u = 0; u < kMT; ++u) {
-            uint32_t r[4];
+        for (int pr = 0; pr < kJH / 2; ++pr) {  // 16 rows (two n8 blocks) per stmatrix
+            // Uniform: rows past the item, and kBN 144's last chunk of 16 rows.
+            if (kJH * c + 2 * pr >= kBN / 8 || kEpiRows * c + 16 * pr >= it.rows) break;
+            const uint32_t row =
+                buf + (16 * pr + 8 * (lane / 16) + lane % 8) * kEpiStride + 16 * ((lane / 8) % 2);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int jb = kJH * c + i / 2, h = i % 2;
-                const float* const a = &acc[u][4 * jb + 2 * h];
-                r[i] = bits16(cm::from_float<T>(a[0] * f0 + b0[u][h])) |
-                       bits16(cm::from_float<T>(a[1] * f0 + b0[u][h])) << 16;
-            }
-            const uint32_t dst = row + 32 * (4 * kGroups * u + w);
-            if (one) {
-                asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};"
-                             ::"r"(dst), "r"(r[0]), "r"(r[1])
-                             : "memory");
-            } else {
-                asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
-                             ::"r"(dst), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                             : "memory");
+            for (int u = 0; u < kMT; ++u) {
+                uint32_t r[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int jb = kJH * c + 2 * pr + i / 2, h = i % 2;
+                    const float* const a = &acc[u][4 * jb + 2 * h];
+                    r[i] = bits16(cm::from_float<T>(a[0] * f0 + b0[u][h])) |
+                           bits16(cm::from_float<T>(a[1] * f0 + b0[u][h])) << 16;
+                }
+                const uint32_t dst = row + 32 * (4 * kGroups * u + w);
+                if (one) {
+                    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};"
+                                 ::"r"(dst), "r"(r[0]), "r"(r[1])
+                                 : "memory");
+                } else {
+                    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                                 ::"r"(dst), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+                                 : "memory");
+                }
             }
         }
     }
@@ -984,7 +995,12 @@ struct Gemm90 {
     // whole rows where the rows are 16-byte aligned, else element by element.
     __device__ __forceinline__ void copy_out(const Item& it, const uint8_t* buf, int r0, int col0) const {
         const int rows = min(kEpiRows, it.rows - r0), cols = min(kBC, p.n - col0);
-        const int i0 = threadIdx.x - 128;  // consumer thread 0 .. kCons - 1
+        // Consumer thread 0 .. kCons - 1, read afresh: the pieces' rows and columns derived from
+        // threadIdx.x would be hoisted out of the item loop and held across the K loops (at kBN
+        // 144's four passes per chunk the FC2 consumers then spill).
+        int i0;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(i0));
+        i0 -= 128;
         T* const dst = static_cast<T*>(p.out) + (size_t)(it.row0 + r0) * p.n + col0;
         if (p.n % 8 == 0 && (reinterpret_cast<unsigned long long>(p.out) & 15) == 0) {
             constexpr int kPieces = kBC / 8;  // per row
