@@ -197,12 +197,14 @@ template <int kFormat, typename T> __device__ __forceinline__ uint32_t scale_bit
 // 0 none (FC2), gated 1 swiglu, 2 geglu, 3 swiglu_oai; non-gated 4 relu, 5 gelu, 6 silu, 7 identity)
 
 // v sigmoid(a v) = v / (1 + e^(-a v)) by the fast intrinsics: __expf (ex2.approx of the argument
-// times log2 e) and __fdividef (v times rcp.approx of the sum). Their error, a few ulp of fp32 for
-// the arguments an activation sees, is far below the 16-bit output's rounding (2^-9 and 2^-12
-// relative); expf and the IEEE division took about 22 instructions per value with a branch to a
-// slow path, which the tensor cores wait out in the wgmma kernel's gated epilogue. The limits
-// stay the reference's: v -> +inf gives v, v -> -inf gives -inf / inf = NaN, and below about -87
-// (1 + e^(-v) past 2^126, where rcp.approx flushes) -0 for a value under 2^-120 in magnitude.
+// times log2 e) and __fdividef (v times rcp.approx of the sum). __expf errs by up to 2 + 1.17 |x|
+// ulp of fp32 (about 2^-16 relative at |x| = 87, a few ulp for the arguments an activation
+// usually sees), far below the 16-bit output's rounding (2^-9 and 2^-12 relative); expf and the
+// IEEE division took about 22 instructions per value with a branch to a slow path, which the
+// tensor cores wait out in the wgmma kernel's gated epilogue. The limits stay the reference's:
+// v -> +inf gives v, v -> -inf gives -inf / inf = NaN, NaN stays NaN; and where a v is below
+// about -87 (1 + e^(-a v) past 2^126, where rcp.approx flushes) the result is -0 instead of a
+// value of about |v| 2^-126.
 __device__ __forceinline__ float sigmoid_times(float v, float a) {
     return __fdividef(v, 1.0f + __expf(-a * v));
 }

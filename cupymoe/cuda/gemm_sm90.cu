@@ -438,13 +438,13 @@ struct Gemm90 {
     // Row n of a producer pass within the tile (kBN 144: the last pass's first 16 rows only).
     __device__ __forceinline__ static constexpr bool in_tile(int n) { return kBN % 32 == 0 || n < kBN; }
     // The epilogue stages the output through shared memory, kEpiRows rows at a time, in two
-    // buffers of the widest tile (experts/gemm.py _EPI_BYTES); a staged row is the tile's kBC
+    // buffers of the widest tile (experts/gemm.py _EPI_BYTES up to kBN 128); a staged row is the tile's kBC
     // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
     static constexpr int kBC = kBMT * kRowsPerTile;               // output columns of a tile
     // kBN 144: the staging buffers are the item's last stage slot, released to the producer only
     // after the epilogue, so that four stages fit the block's shared memory (three ran full
     // 128-row tiles 2-10 % slower: the ring refills during an epilogue). The slot holds chunks of
-    // 32 rows: five barriers per item instead of nine.
+    // 32 rows: a 144-row item stages in five chunks, one barrier each, instead of nine.
     static constexpr bool kEpiInSlot = kBN > 128;
     static constexpr int kEpiRows = kEpiInSlot ? 32 : 16;
     static constexpr int kEpiChunks = (kBN + kEpiRows - 1) / kEpiRows;
@@ -462,7 +462,7 @@ struct Gemm90 {
     // columns the tensor cores are done by the time the next fragments are decoded. Four
     // consumer groups only, and not for the non-gated GELU and SiLU epilogues: with two groups
     // the extra K loops make ptxas serialise the wgmma (C7512), and those two epilogues (erff,
-    // expf) spill with them.
+    // and the exponential before sigmoid_times) spilled with them.
     static constexpr bool kNarrow = kGroups == 4 && kAct != 5 && kAct != 6;
     // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
     // 128, and with four consumer groups, one: the registers leave no room for more. With two

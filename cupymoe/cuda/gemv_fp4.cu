@@ -40,7 +40,7 @@
 //  * products and sums in fp32 inside the tensor core; global scale (times 2^-s) in fp32 in the
 //    epilogue. No 16-bit product with an activation is ever formed: large fp16 x cannot overflow.
 //  * the activation in fp32 (fp4_mma.cuh); the sigmoid-weighted ones by the fast exponential and
-//    division intrinsics, a few fp32 ulp against the 16-bit output's rounding.
+//    division intrinsics, at most about 2^-16 relative against the 16-bit output's rounding.
 #include "common.cuh"
 #include "fp4_mma.cuh"
 

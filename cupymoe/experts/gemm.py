@@ -68,7 +68,8 @@ _MTILE_BYTES = 1024
 _XROW_BYTES = 256
 _SCALE_TILE_BYTES = {Fp4Format.NVFP4.code: 128, Fp4Format.MXFP4.code: 64}
 #: The wgmma epilogue's two staging buffers: 16 rows of 256 16-bit columns + 16 bytes each
-#: (Gemm90::kEpiBytes in cuda/gemm_sm90.cu).
+#: (Gemm90::kEpiBytes in cuda/gemm_sm90.cu up to bn 128; bn 144 stages 32-row chunks in a stage
+#: slot and needs no buffers of its own).
 _EPI_BYTES = 2 * 16 * (256 * 2 + 16)
 
 
