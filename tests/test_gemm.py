@@ -309,7 +309,8 @@ CASES = [
     ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
     ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
     # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 64 / 128 / 144; _EDGE_ROWS)
-    ("nvfp4", BF16, 20, 256, 128, 1379, 1, "swiglu", True, "edges"),
+    # (I = 192: FC1's last column block half full, FC2's K 1.5 stages)
+    ("nvfp4", BF16, 20, 256, 192, 1379, 1, "swiglu", True, "edges"),
 ]
 
 #: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (8, 16, 32, 64, 128
@@ -421,14 +422,14 @@ def test_gemm_matches_references(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_name", ["relu", "identity", "gelu"])
+@pytest.mark.parametrize("act_name", ["relu", "identity", "silu", "gelu"])
 @pytest.mark.parametrize("tiling", TILINGS[1:], ids=_tiling_id)
 def test_gemm_non_gated_fc1_at_every_width(
     rng: np.random.Generator, act_name: str, tiling: tuple[Any, ...]
 ) -> None:
     """The non-gated FC1 (one matrix, FC2's tiles, FC1's token-order rows) through every K-loop
-    width: relu and identity take the wgmma kernel's width-8 and width-16 loops at 1-16 rows per
-    expert (four consumer groups), gelu keeps the width-32 loop there; the "edges" rows, N and K
+    width: relu, identity and silu take the wgmma kernel's width-8 and width-16 loops at 1-16 rows
+    per expert (four consumer groups), gelu keeps the width-32 loop there; the "edges" rows, N and K
     tails (I = 112: 7 m-tiles of 16; H = 336: 2.6 stages), bias, and x in the split order."""
     import cupy
 
@@ -700,12 +701,14 @@ def test_split_positions_are_the_producers_b_order(n: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("inter", [128, 256])
 def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
-    rng: np.random.Generator, fmt: str
+    rng: np.random.Generator, fmt: str, inter: int
 ) -> None:
     """The wgmma epilogue copies staged rows out 16 bytes at a time only where every row starts
     16-byte aligned: FC1 at n = 100 (200-byte rows) and FC2 into an ``out`` that starts 2 bytes
-    past an allocation take the element-wise copy; both against the references, NaN-poisoned."""
+    past an allocation take the element-wise copy; both against the references, NaN-poisoned.
+    FC2's K of one and two stages (``inter``): items shorter than the ring, and longer."""
     import cupy
 
     from cupymoe.experts.gemm import gemm_fc1, gemm_fc2, wgmma_enabled
@@ -715,7 +718,7 @@ def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
     e, h, i, m, k = 4, 256, 100, 300, 2  # 150 rows per expert: a full and a partial row tile
     gate, up = (random_fp4_experts(rng, e, i, h, fmt) for _ in range(2))
-    down = random_fp4_experts(rng, e, h, 128, fmt)
+    down = random_fp4_experts(rng, e, h, inter, fmt)
     w1, w2 = prepare_fc1(gate, up), prepare_fc2(down)
     ids = _random_ids(rng, m, k, e)
     routing = _device_routing(ids, e)
@@ -734,7 +737,7 @@ def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
         config=cfg,
     )
     _close(fc1_ref(x[rows // k], gate, up, offsets, act=ActivationSpec("swiglu")), out, BF16, "fc1")
-    hin = rng.standard_normal((m * k, 128)).astype(BF16)
+    hin = rng.standard_normal((m * k, inter)).astype(BF16)
     flat = cupy.full(m * k * h + 1, np.nan, BF16)
     y = flat[1:].reshape(m * k, h)  # 2 bytes past the allocation's 256-byte alignment
     assert y.data.ptr % 16 == 2

@@ -460,10 +460,10 @@ struct Gemm90 {
     // docs/kernels.md, eleventh round). Width 8 waits for each group (wait_group 0): with one
     // group in flight ptxas would serialise its wgmma for want of registers (C7512), and at 8
     // columns the tensor cores are done by the time the next fragments are decoded. Four
-    // consumer groups only, and not for the non-gated GELU and SiLU epilogues: with two groups
-    // the extra K loops make ptxas serialise the wgmma (C7512), and those two epilogues (erff,
-    // and the exponential before sigmoid_times) spilled with them.
-    static constexpr bool kNarrow = kGroups == 4 && kAct != 5 && kAct != 6;
+    // consumer groups only, and not for the non-gated GELU epilogue: with two groups the extra
+    // K loops make ptxas serialise the wgmma (C7512), and GELU's erff spills with them (SiLU's
+    // fast exponential and sigmoid_times do not).
+    static constexpr bool kNarrow = kGroups == 4 && kAct != 5;
     // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
     // 128, and with four consumer groups, one: the registers leave no room for more. With two
     // groups, narrow tiles finish a group's wgmma long before the next group's decode (a
