@@ -308,16 +308,18 @@ CASES = [
     ("nvfp4", BF16, 16, 256, 128, 200, 4, "swiglu", False, "same"),  # one expert set: every row
     ("nvfp4", BF16, 4, 256, 128, 1024, 4, "swiglu", True, "all"),  # every expert active
     ("nvfp4", BF16, 64, 512, 256, 9, 8, "swiglu", False, "random"),  # experts with zero rows
-    # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 64 / 128 / 144; _EDGE_ROWS)
-    # (I = 192: FC1's last column block half full, FC2's K 1.5 stages)
-    ("nvfp4", BF16, 20, 256, 192, 1379, 1, "swiglu", True, "edges"),
+    # every wgmma K-loop width at and above its edge (8 / 16 / 32 / 48 / 64 / 128 / 144;
+    # _EDGE_ROWS) (I = 192: FC1's last column block half full, FC2's K 1.5 stages)
+    ("nvfp4", BF16, 24, 256, 192, 1557, 1, "swiglu", True, "edges"),
 ]
 
-#: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (8, 16, 32, 64, 128
-#: rows; the last, partial tile of an expert) at and one above its edge, 15 and 31 below two of
-#: them, one row, and idle experts; bn 144's slack (a remainder of up to 16 rows joins the tile
-#: before it: 143, 144 and 272 rows, not 145).
-_EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 64, 65, 127, 128, 129, 0, 143, 144, 145, 272)
+#: Rows per expert of the "edges" case: each K-loop width of the wgmma kernel (8, 16, 32, 48, 64,
+#: 128 rows; the last, partial tile of an expert) at and one above its edge, 15 and 31 below two
+#: of them, 40 and 41 (one or two n8 blocks in the width-48 loop's last 16-row chunk), one row,
+#: and idle experts; bn 144's slack (a remainder of up to 16 rows joins the tile before it: 143,
+#: 144 and 272 rows, not 145).
+_EDGE_ROWS = (1, 8, 9, 15, 16, 17, 31, 32, 33, 0, 40, 41, 48, 49, 64, 65, 127, 128, 129, 0, 143,
+              144, 145, 272)  # fmt: skip
 
 
 def _case_ids(rng: np.random.Generator, kind: str, m: int, k: int, e: int) -> np.ndarray:

@@ -155,6 +155,82 @@ template <> struct Wgmma<32, __half> {
             : CM_WG_IN);
     }
 };
+template <> struct Wgmma<24, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[12], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %17, 0; "
+            "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
+            "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D4(8)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<24, __half> {
+    __device__ __forceinline__ static void run(float (&d)[12], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %17, 0; "
+            "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
+            "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D4(8)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<40, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[20], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %25, 0; "
+            "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19"
+            "}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D4(16)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<40, __half> {
+    __device__ __forceinline__ static void run(float (&d)[20], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %25, 0; "
+            "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19"
+            "}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D4(16)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<48, __nv_bfloat16> {
+    __device__ __forceinline__ static void run(float (&d)[24], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %29, 0; "
+            "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23"
+            "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16)
+            : CM_WG_IN);
+    }
+};
+template <> struct Wgmma<48, __half> {
+    __device__ __forceinline__ static void run(float (&d)[24], const uint32_t (&a)[4], uint64_t b,
+                                               int scale_d) {
+        asm volatile(
+            "{ .reg .pred p; setp.ne.b32 p, %29, 0; "
+            "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
+            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23"
+            "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }"
+            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16)
+            : CM_WG_IN);
+    }
+};
 template <> struct Wgmma<64, __nv_bfloat16> {
     __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
                                                int scale_d) {
@@ -464,6 +540,11 @@ struct Gemm90 {
     // K loops make ptxas serialise the wgmma (C7512), and GELU's erff spills with them (SiLU's
     // fast exponential and sigmoid_times do not).
     static constexpr bool kNarrow = kGroups == 4 && kAct != 5;
+    // A K loop at width 48 for tiles of 33-48 rows (about half the experts at 32 rows per expert
+    // on average: the width-64 loop ran them at up to twice the tensor cores' time). One more
+    // loop is what the registers allow: with widths 24 or 40 too, or in the non-gated FC1 and the
+    // biased GEGLU epilogues, ptxas serialises the wgmma (C7512).
+    static constexpr bool kMid = kNarrow && kAct <= 3 && !(kAct == 2 && kBias);
     // (m-tile, k16 step pair) fragments decoded and issued as one wgmma group (k_loop). At kBN
     // 128, and with four consumer groups, one: the registers leave no room for more. With two
     // groups, narrow tiles finish a group's wgmma long before the next group's decode (a
@@ -742,8 +823,10 @@ struct Gemm90 {
                 last = k_loop<(kBN > 128 ? kBN : 32)>(acc, slot, phase, a_off, s_off);
             } else if (kBN >= 128 && width > 64) {
                 last = k_loop<kBN >= 128 ? 128 : 32>(acc, slot, phase, a_off, s_off);
-            } else if (kBN >= 64 && width > 32) {
+            } else if (kBN >= 64 && width > 32 && (!kMid || it.rows > 48)) {
                 last = k_loop<kBN >= 64 ? 64 : 32>(acc, slot, phase, a_off, s_off);
+            } else if (width > 32) {
+                last = k_loop<kMid ? 48 : 32>(acc, slot, phase, a_off, s_off);
             } else if (!kNarrow || it.rows > 16) {
                 last = k_loop<32>(acc, slot, phase, a_off, s_off);
             } else if (it.rows > 8) {
