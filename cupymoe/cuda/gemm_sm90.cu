@@ -155,56 +155,6 @@ template <> struct Wgmma<32, __half> {
             : CM_WG_IN);
     }
 };
-template <> struct Wgmma<24, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[12], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %17, 0; "
-            "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
-            "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D4(8)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<24, __half> {
-    __device__ __forceinline__ static void run(float (&d)[12], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %17, 0; "
-            "wgmma.mma_async.sync.aligned.m64n24k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11"
-            "}, {%12, %13, %14, %15}, %16, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D4(8)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<40, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[20], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %25, 0; "
-            "wgmma.mma_async.sync.aligned.m64n40k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19"
-            "}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D4(16)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<40, __half> {
-    __device__ __forceinline__ static void run(float (&d)[20], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %25, 0; "
-            "wgmma.mma_async.sync.aligned.m64n40k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19"
-            "}, {%20, %21, %22, %23}, %24, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D4(16)
-            : CM_WG_IN);
-    }
-};
 template <> struct Wgmma<48, __nv_bfloat16> {
     __device__ __forceinline__ static void run(float (&d)[24], const uint32_t (&a)[4], uint64_t b,
                                                int scale_d) {
