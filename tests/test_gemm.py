@@ -710,7 +710,7 @@ def test_wgmma_epilogue_copies_rows_that_are_not_16_byte_aligned(
     """The wgmma epilogue copies staged rows out 16 bytes at a time only where every row starts
     16-byte aligned: FC1 at n = 100 (200-byte rows) and FC2 into an ``out`` that starts 2 bytes
     past an allocation take the element-wise copy; both against the references, NaN-poisoned.
-    FC2's K of one and two stages (``inter``): items shorter than the ring, and longer."""
+    FC2's K of one and of two stages (``inter``): items of a single stage and of several."""
     import cupy
 
     from cupymoe.experts.gemm import gemm_fc1, gemm_fc2, wgmma_enabled
