@@ -45,7 +45,8 @@ KERNEL = Path("cupymoe") / "cuda" / "gemm_sm90.cu"
 # (bn 144, whose epilogue stages in the item's last slot: all but that one, which consume()
 # releases after the epilogue).
 _UNREAD = (
-    "            if (split_source()) fence_async_shared();  // the cp.async pieces, for wgmma\n",
+    "            if (split_source() && !x_tma()) fence_async_shared();  "
+    "// the cp.async pieces, for wgmma\n",
     "            if (!kEpiInSlot || ks + 1 < ksteps) {  // PROBE unread\n"
     "                mbar_arrive(empty + 8 * slot);\n"
     "            } else {\n"

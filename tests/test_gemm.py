@@ -957,8 +957,74 @@ def test_preset_tensor_maps_are_valid(preset: str) -> None:
             assert box[0] * 8 * box[1] in (8192, 16384, 2048, 1024)  # one stage's bytes
 
 
+def _swizzled_box(h: np.ndarray, box: tuple, c0: int, c1: int) -> np.ndarray:
+    """A TMA box of 16-bit elements ``box = (64, rows)`` at (column c0, row c1) of ``h`` as the
+    copy engine writes it with the 128-byte swizzle to a 1024-byte aligned address: row r's
+    16-byte piece j at piece j ^ (r % 8); rows past h zero."""
+    out = np.zeros((box[1], 8, 8), h.dtype)
+    for r in range(box[1]):
+        if c1 + r < h.shape[0]:
+            row = h[c1 + r, c0 : c0 + box[0]].reshape(8, 8)
+            for j in range(8):
+                out[r, j ^ (r % 8)] = row[j]
+    return out
+
+
+@pytest.mark.parametrize(("k", "rows", "bn"), [(128, 40, 64), (320, 150, 144), (256, 9, 32)])
+def test_fc2_h_boxes_are_the_b_layout(rng: np.random.Generator, k: int, rows: int, bn: int) -> None:
+    """FC2's producer (gemm_sm90.cu x_tma) copies each whole stage of h, held in the split k order
+    (split_positions), as boxes of x_map_geometry into the swizzled B layout that the wgmma
+    descriptors read: in half kh, row n, piece j ^ (n % 8) holds core matrix kc = j % 2 of k16
+    step s = 4 kh + j / 2 = 2 q + hh, whose word t is h[n, 32 t + 8 q + 4 hh + 2 kc .. + 1] of
+    the natural order; rows past h come zero."""
+    from cupymoe._runtime.tensormap import SWIZZLE_128B, UINT16, check_geometry
+    from cupymoe.experts.gemm import X_BOX_ROWS, x_map_geometry
+
+    h = rng.integers(1, 2**16, (rows, k), dtype=np.uint16)
+    split = np.empty_like(h)
+    split[:, split_positions(k)] = h
+    dims, strides, box = x_map_geometry(rows, k)
+    check_geometry(1 << 20, UINT16, dims, strides, box, SWIZZLE_128B)
+    assert box == (64, X_BOX_ROWS) and dims == (k, rows) and strides == (2 * k,)
+    for row0 in (0, rows - rows // 2):
+        item = min(bn, rows - row0 + 5)  # past h's end: zeros
+        boxes = -(-item // X_BOX_ROWS)
+        for ks in range(k // 128):
+            got = np.zeros((2, boxes * X_BOX_ROWS, 8, 8), h.dtype)
+            for kh in range(2):
+                for b in range(boxes):
+                    got[kh, X_BOX_ROWS * b : X_BOX_ROWS * (b + 1)] = _swizzled_box(
+                        split, box, 128 * ks + 64 * kh, row0 + X_BOX_ROWS * b
+                    )
+            want = np.zeros_like(got)
+            for n in range(min(boxes * X_BOX_ROWS, rows - row0)):
+                for kh in range(2):
+                    for j in range(8):
+                        s_, kc = 4 * kh + j // 2, j % 2
+                        q, hh = s_ // 2, s_ % 2
+                        cols = [
+                            128 * ks + 32 * t + 8 * q + 4 * hh + 2 * kc + e
+                            for t in range(4)
+                            for e in range(2)
+                        ]
+                        want[kh, n, j ^ (n % 8)] = h[row0 + n, cols]
+            np.testing.assert_array_equal(got, want, err_msg=f"row0 {row0} stage {ks}")
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "deepseek-v3"])
+def test_preset_h_maps_are_valid(preset: str) -> None:
+    """FC2's map over every preset's h, at any row count, meets the driver's rules."""
+    from cupymoe._runtime.tensormap import SWIZZLE_128B, UINT16, check_geometry
+    from cupymoe.experts.gemm import x_map_geometry
+    from cupymoe.presets import PRESETS
+
+    s = PRESETS[preset]
+    for rows in (1, 17, 16384 * s.top_k):
+        check_geometry(1 << 30, UINT16, *x_map_geometry(rows, s.intermediate), SWIZZLE_128B)
+
+
 def test_tensor_map_geometry_errors() -> None:
-    from cupymoe._runtime.tensormap import UINT8, UINT64, check_geometry
+    from cupymoe._runtime.tensormap import SWIZZLE_128B, UINT8, UINT16, UINT64, check_geometry
 
     good = ((64, 20, 3), (512, 10240), (64, 16, 1))
     check_geometry(256, UINT64, *good)
@@ -974,3 +1040,8 @@ def test_tensor_map_geometry_errors() -> None:
         check_geometry(256, UINT64, (0, 20, 3), (512, 10240), (64, 16, 1))
     with pytest.raises(ValueError, match="rank"):
         check_geometry(256, UINT64, (64, 20), (512, 10240), (64, 16))
+    with pytest.raises(ValueError, match="more than 128"):
+        check_geometry(256, UINT16, (512, 64), (1024,), (128, 16), SWIZZLE_128B)
+    with pytest.raises(ValueError, match="swizzle"):
+        check_geometry(256, UINT16, (512, 64), (1024,), (64, 16), 2)
+    check_geometry(256, UINT16, (512, 64), (1024,), (64, 16), SWIZZLE_128B)

@@ -24,7 +24,9 @@ from typing import Any
 __all__ = [
     "ELEMENT_BYTES",
     "L2_PROMOTION_256B",
+    "SWIZZLE_128B",
     "UINT8",
+    "UINT16",
     "UINT64",
     "TensorMap",
     "check_geometry",
@@ -32,11 +34,14 @@ __all__ = [
 ]
 
 #: CUtensorMapDataType values used here and their element sizes.
-UINT8, UINT64 = 0, 4
-ELEMENT_BYTES = {UINT8: 1, UINT64: 8}
+UINT8, UINT16, UINT64 = 0, 1, 4
+ELEMENT_BYTES = {UINT8: 1, UINT16: 2, UINT64: 8}
 #: CUtensorMapL2promotion: L2 sectors fetched per request (CU_TENSOR_MAP_L2_PROMOTION_L2_256B).
 L2_PROMOTION_256B = 3
 _INTERLEAVE_NONE = _SWIZZLE_NONE = _OOB_FILL_ZERO = 0
+#: CUtensorMapSwizzle: 16-byte piece j of each 128-byte row r of a box at j ^ (r % 8) in shared
+#: memory (the box's shared address 1024-byte aligned; its inner row at most 128 bytes).
+SWIZZLE_128B = 3
 _MAP_BYTES = 128
 _MAP_ALIGN = 64
 
@@ -68,12 +73,14 @@ def check_geometry(
     dims: Sequence[int],
     strides: Sequence[int],
     box: Sequence[int],
+    swizzle: int = _SWIZZLE_NONE,
 ) -> None:
-    """Raise ``ValueError`` where a tiled, unswizzled, non-interleaved map breaks the rules of
+    """Raise ``ValueError`` where a tiled, non-interleaved map breaks the rules of
     ``cuTensorMapEncodeTiled``: rank 1..5, a 16-byte aligned address, dimensions in 1..2^32,
     byte strides of the outer dimensions multiples of 16 below 2^40, box sizes in 1..256 (a box
-    may reach past its dimension: those elements are zero-filled), and an inner box row of a
-    multiple of 16 bytes."""
+    may reach past its dimension: those elements are zero-filled on loads and not written by
+    stores), and an inner box row of a multiple of 16 bytes, at most 128 with
+    :data:`SWIZZLE_128B`."""
     rank = len(dims)
     if not 1 <= rank <= 5 or len(strides) != rank - 1 or len(box) != rank:
         raise ValueError(
@@ -97,6 +104,13 @@ def check_geometry(
     if box[0] * ELEMENT_BYTES[dtype] % 16:
         raise ValueError(
             f"tensor map: inner box of {box[0] * ELEMENT_BYTES[dtype]} bytes, not a multiple of 16"
+        )
+    if swizzle not in (_SWIZZLE_NONE, SWIZZLE_128B):
+        raise ValueError(f"tensor map: swizzle {swizzle} is not 0 (none) or {SWIZZLE_128B} (128B)")
+    if swizzle == SWIZZLE_128B and box[0] * ELEMENT_BYTES[dtype] > 128:
+        raise ValueError(
+            f"tensor map: inner box of {box[0] * ELEMENT_BYTES[dtype]} bytes with the 128-byte "
+            "swizzle, more than 128"
         )
 
 
@@ -131,14 +145,17 @@ def tiled(
     strides: tuple[int, ...],
     box: tuple[int, ...],
     l2_promotion: int = L2_PROMOTION_256B,
+    swizzle: int = _SWIZZLE_NONE,
 ) -> TensorMap:
     """The tiled map of the region at device ``address``: ``dims`` elements of ``dtype``
     innermost first, the byte ``strides`` of dimensions 1.. (dimension 0 is contiguous),
-    copied in boxes of ``box`` elements into dense shared memory (innermost fastest); elements
-    outside ``dims`` are zero-filled. Cached per argument tuple."""
-    check_geometry(address, dtype, dims, strides, box)
+    copied in boxes of ``box`` elements between global memory and dense shared memory
+    (innermost fastest; ``swizzle``: :data:`SWIZZLE_128B` permutes each row's 16-byte pieces);
+    elements outside ``dims`` are zero-filled on loads and skipped by stores. Cached per argument
+    tuple."""
+    check_geometry(address, dtype, dims, strides, box, swizzle)
     rank = len(dims)
-    m = TensorMap((hex(address), dtype, dims, strides, box))
+    m = TensorMap((hex(address), dtype, dims, strides, box, swizzle))
     status = _encode_fn()(
         ctypes.c_void_p(m.address),
         dtype,
@@ -149,7 +166,7 @@ def tiled(
         (ctypes.c_uint32 * rank)(*box),
         (ctypes.c_uint32 * rank)(*([1] * rank)),
         _INTERLEAVE_NONE,
-        _SWIZZLE_NONE,
+        swizzle,
         l2_promotion,
         _OOB_FILL_ZERO,
     )

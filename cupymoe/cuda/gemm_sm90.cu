@@ -18,7 +18,8 @@
 // bytes of the tile's chunks], completing on the stage's "full" mbarrier with their byte count;
 // out-of-range m-tiles and chunks are zero-filled), and all 128 threads gather the activation rows
 // of the item (in passes of 32 rows, up to its wgmma width) through the expert map with 16-byte
-// cp.async into the stage itself.
+// cp.async into the stage itself. FC2 reading h in the split k order takes the item's rows, which
+// are contiguous there, as 2-D TMA boxes instead (Gemm90::x_tma), issued by the same thread.
 // One box per matrix rather than one copy per m-tile: the copy engine's cost is per request, and
 // 32-48 requests per stage bound the producer at few rows per item (docs/kernels.md, seventh
 // round). Groups 1 .. kGroups are the consumers: warp w of group c owns m-tiles 4 kGroups u + 4c
@@ -58,8 +59,9 @@
 //
 // Synchronisation per stage slot: full (129 producer arrivals + the bulk copies' bytes) and empty
 // (one arrival per consumer thread, after the wgmma that read the slot completed). A producer
-// thread arrives once its copies of the stage have landed (cp.async.mbarrier.arrive) or, for a
-// regrouped stage, after it fenced its stores into the async proxy; the issuing thread arrives
+// thread arrives once its copies of the stage have landed (cp.async.mbarrier.arrive), for a
+// regrouped stage after it fenced its stores into the async proxy, and for a stage of x_tma's
+// boxes at once (the boxes count in the bytes); the issuing thread arrives
 // once more after it stored the stage's item record (expert, rows, column block), which the
 // consumers read at an item's first stage instead of decoding the item themselves. Work items,
 // their order and the schedule scan are gemm_items.cuh's; the producer runs up to kStages stages
@@ -333,6 +335,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* map, 
         : "memory");
 }
 
+// One box of a 2-D tensor map (coordinates innermost first), as tma_load_3d.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+        "%3}], [%4];" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
 // Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma).
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -520,6 +531,7 @@ struct Gemm90 {
     const TensorMap* map0;  // weights (FC1 gate), map1: FC1 up, smap: scales (parameter space)
     const TensorMap* map1;
     const TensorMap* smap;
+    const TensorMap* xmap;  // FC2: h as boxes of kXBoxRows rows x 64 k (x_tma()); else unread
     int ksteps;
 
     // The schedule's size, recomputed where it is used rather than held in registers across the
@@ -538,6 +550,14 @@ struct Gemm90 {
     __device__ __forceinline__ bool split_source() const {
         return kAct == 0 ? p.permuted_h != 0 : p.permuted_x != 0;
     }
+
+    // FC2 with h in the split k order: the item's rows of h are contiguous, so each whole
+    // stage of them is two columns of 2-D TMA boxes (one per 64-k half, kXBoxRows rows each),
+    // which the copy engine writes with the 128-byte swizzle of the B layout. The producer
+    // threads copy nothing, and the consumers need no proxy fence (the async proxy wrote B).
+    __device__ __forceinline__ bool x_tma() const { return kAct == 0 && p.permuted_h != 0; }
+    static constexpr int kXBoxRows = 16;
+    static constexpr int kXBoxBytes = kXBoxRows * 128;
 
     // The arrivals that complete a stage's full barrier (with its bulk copies' bytes): one per
     // producer thread once its activation pieces are in place, and the issuing thread's record.
@@ -627,6 +647,23 @@ struct Gemm90 {
                     if (pub < st) flush(pub, st);  // a K tail's gathered stage before a whole one
                     ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
+                    if (x_tma()) {
+                        // Box b of half kh: rows 16b .. 16b + 15 of the item. Boxes past the
+                        // item read rows that no stored column depends on; past h, zeros.
+                        if (issues) {
+                            const int boxes = (it.rows + kXBoxRows - 1) / kXBoxRows;
+                            load_weights(stage, ks, c1, it.e, full + 8 * slot, 2 * boxes * kXBoxBytes);
+                            for (int b = 0; b < boxes; ++b) {
+#pragma unroll
+                                for (int kh = 0; kh < 2; ++kh)
+                                    tma_load_2d(stage + kh * kHalfBytes + b * kXBoxBytes, xmap,
+                                                ks * kStageCodes + 64 * kh, it.row0 + kXBoxRows * b, full + 8 * slot);
+                            }
+                            post_item(slot, it);
+                        }
+                        mbar_arrive(full + 8 * slot);  // every producer thread arrives: it copied nothing
+                        continue;
+                    }
                     if (issues) {
                         load_weights(stage, ks, c1, it.e, full + 8 * slot);
                         post_item(slot, it);
@@ -702,8 +739,10 @@ struct Gemm90 {
     // Stage ks of the item's weights and scales (m-tiles c1 .. c1 + kBMT - 1 of expert e): one
     // box per matrix, 4 chunks of kBMT m-tiles; m-tiles past the matrix and chunks past K come
     // zero-filled (and count in the box's bytes).
-    __device__ __forceinline__ void load_weights(uint32_t stage, int ks, int c1, int e, uint32_t bar) const {
-        mbar_expect_tx(bar, kABytes + kBMT * kScaleTileBytes);
+    // extra: the bytes of the stage's other boxes on the same barrier (x_tma).
+    __device__ __forceinline__ void load_weights(uint32_t stage, int ks, int c1, int e, uint32_t bar,
+                                                 uint32_t extra = 0) const {
+        mbar_expect_tx(bar, kABytes + kBMT * kScaleTileBytes + extra);
         tma_load_3d(stage + kAOff, map0, ks * kStageChunks * kUnitBytes / 8, c1, e, bar);
         if constexpr (kGated)
             tma_load_3d(stage + kAOff + kBMT * kMatTileBytes, map1, ks * kStageChunks * kUnitBytes / 8, c1, e,
@@ -849,7 +888,7 @@ struct Gemm90 {
         const uint32_t smem_s = smem_u32(smem);
         for (int ks = 0; ks < ksteps; ++ks) {
             mbar_wait(full + 8 * slot, phase);
-            if (split_source()) fence_async_shared();  // the cp.async pieces, for wgmma
+            if (split_source() && !x_tma()) fence_async_shared();  // the cp.async pieces, for wgmma
             // Chunks past K arrive zero-filled (TMA, with zero scale bytes) against zero-filled
             // activations: the K tail needs no test here.
             const uint32_t stage = smem_s + slot * kStageBytes;
@@ -1057,7 +1096,7 @@ struct Gemm90 {
 
 template <int kFormat, typename T, int kAct, bool kBias, int kBN, int kStages, int kGroups>
 __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* map0, const TensorMap* map1,
-                                            const TensorMap* smap) {
+                                            const TensorMap* smap, const TensorMap* xmap = nullptr) {
     using G = Gemm90<kFormat, T, kAct, kBias, kBN, kStages, kGroups>;
     extern __shared__ __align__(16) uint8_t dyn_raw[];
     __shared__ uint32_t table[256];
@@ -1086,7 +1125,7 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
     scan_row_tiles<G::kThreads, kBN>(p, tile_start);  // ends with a barrier (table, mbarriers too)
     if constexpr (kAct == 0) cm::wait_upstream();
 
-    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, smem_u32(recs), map0, map1, smap,
+    G gemm{p, dyn_smem, tile_start, table, epi, full, empty, smem_u32(recs), map0, map1, smap, xmap,
            (p.chunks + kStageChunks - 1) / kStageChunks};
     if (threadIdx.x < 128) {
         gemm.produce();
@@ -1101,7 +1140,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 // memory = kStages stages + the epilogue's staging buffers (not at kBN 144, which stages in a
 // slot) + kStages item records + the row-tile table (experts/gemm.py computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
-// (experts/gemm.py _maps: over the same bytes as w and scales).
+// (experts/gemm.py _maps: over the same bytes as w and scales) and of x (h) as 16-bit [rows, k]
+// in boxes of 16 rows x 64 k with the 128-byte swizzle, read where permuted_h (Gemm90::x_tma).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages, int kGroups>
 __global__ void __launch_bounds__(128 * (1 + kGroups), 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
@@ -1109,12 +1149,12 @@ __global__ void __launch_bounds__(128 * (1 + kGroups), 1)
                const float* __restrict__ bias, const int* __restrict__ expert_offsets,
                const int* __restrict__ active, T* __restrict__ out, int n_experts, int slots, int n,
                int k, int chunks, int scale_shift, int permuted_h, const __grid_constant__ TensorMap w_map,
-               const __grid_constant__ TensorMap s_map) {
+               const __grid_constant__ TensorMap s_map, const __grid_constant__ TensorMap x_map) {
     const Params p{x,      nullptr, w,     nullptr,   scales, global_scale,
                    nullptr, bias,   nullptr, expert_offsets, active, out,
                    n_experts, slots, n,    k,         chunks, 1,
                    scale_shift, {0.0f, 0.0f, 0.0f}, permuted_h};
-    gemm90_body<kFormat, T, 0, kBias, kBN, kStages, kGroups>(p, &w_map, nullptr, &s_map);
+    gemm90_body<kFormat, T, 0, kBias, kBN, kStages, kGroups>(p, &w_map, nullptr, &s_map, &x_map);
 }
 
 // Non-gated FC1 (relu, gelu, silu, identity): FC2's kernel with FC1's row gather and wait, and

@@ -28,7 +28,7 @@ import numpy as np
 from .._runtime.compile import CTYPE, KernelSpec, resident_blocks
 from .._runtime.device import compute_capability, max_shared_per_block, sm_count
 from .._runtime.launch import launch
-from .._runtime.tensormap import UINT64, TensorMap, tiled
+from .._runtime.tensormap import SWIZZLE_128B, UINT16, UINT64, TensorMap, tiled
 from .._runtime.validate import ACTIVATION_DTYPES, check_activations, device_output
 from ..formats import Fp4Format
 from ..routing import Routing
@@ -54,6 +54,7 @@ __all__ = [
     "gemm_fc2",
     "kernel_specs",
     "map_geometry",
+    "x_map_geometry",
     "permute_split",
     "row_tiles",
     "block_items",
@@ -531,6 +532,26 @@ def _maps(
     return tuple(out)
 
 
+#: Rows of one box of the wgmma FC2's map over h (gemm_sm90.cu ``Gemm90::kXBoxRows``).
+X_BOX_ROWS = 16
+
+
+def x_map_geometry(rows: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """``(dims, strides, box)`` of the wgmma FC2's map over ``h [rows, k]`` of 16-bit elements,
+    innermost first: boxes of 64 columns (128 bytes, the 128-byte swizzle of the B layout) by
+    :data:`X_BOX_ROWS` rows (gemm_sm90.cu ``Gemm90::x_tma``)."""
+    return (k, rows), (2 * k,), (64, X_BOX_ROWS)
+
+
+def _x_map(h: Any, permuted_h: bool, fallback: TensorMap) -> TensorMap:
+    """The wgmma FC2's last argument: the map over ``h``, which its producer reads where h holds
+    the split k order (``permuted_h``); elsewhere ``fallback`` stands in, unread."""
+    if not permuted_h:
+        return fallback
+    dims, strides, box = x_map_geometry(int(h.shape[0]), int(h.shape[1]))
+    return tiled(int(h.data.ptr), UINT16, dims, strides, box, swizzle=SWIZZLE_128B)
+
+
 def _permute_spec(dtype: Any) -> KernelSpec:
     """The specialisation :func:`permute_split` launches for ``dtype`` (sm_90a)."""
     return KernelSpec("gemm_sm90", "permute_split", (CTYPE[np.dtype(dtype)],), target="sm_90a")
@@ -724,6 +745,18 @@ def _gemm_single(
     col_blocks = _ceil_div(_ceil_div(w.n, 16), cfg.m_tiles)  # m-tiles of 16 columns
     slots, smem, grid = _plan(spec, cfg, w.format.code, routing, rows, col_blocks)
     tail = (np.int32(top_k),) if act is not None else ()
+    maps = _maps(
+        cfg,
+        (weights.kernel_packed,),
+        weights.kernel_scales,
+        w.n_experts,
+        w.n,
+        w.k,
+        16,
+        w.format.code,
+    )
+    if maps and act is None:
+        maps = (*maps, _x_map(x, permuted_h, maps[0]))
     launch(
         spec,
         grid,
@@ -738,16 +771,7 @@ def _gemm_single(
             *tail,
             np.int32(shift),
             *_permuted_args(cfg, permuted_h, None if act is None else permuted_x),
-            *_maps(
-                cfg,
-                (weights.kernel_packed,),
-                weights.kernel_scales,
-                w.n_experts,
-                w.n,
-                w.k,
-                16,
-                w.format.code,
-            ),
+            *maps,
         ),
         shared_mem=smem,
         pdl=pdl,
