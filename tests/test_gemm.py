@@ -970,34 +970,38 @@ def _swizzled_box(h: np.ndarray, box: tuple, c0: int, c1: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize(("k", "rows", "bn"), [(128, 40, 64), (320, 150, 144), (256, 9, 32)])
+@pytest.mark.parametrize(("k", "rows", "bn"), [(128, 40, 64), (320, 150, 144), (256, 9, 128)])
 def test_fc2_h_boxes_are_the_b_layout(rng: np.random.Generator, k: int, rows: int, bn: int) -> None:
     """FC2's producer (gemm_sm90.cu x_tma) copies each whole stage of h, held in the split k order
     (split_positions), as boxes of x_map_geometry into the swizzled B layout that the wgmma
     descriptors read: in half kh, row n, piece j ^ (n % 8) holds core matrix kc = j % 2 of k16
     step s = 4 kh + j / 2 = 2 q + hh, whose word t is h[n, 32 t + 8 q + 4 hh + 2 kc .. + 1] of
-    the natural order; rows past h come zero."""
+    the natural order; rows past h come zero. The boxes of any item stay within its tile's
+    bn rows and start at whole swizzle atoms (8 rows of 128 bytes)."""
     from cupymoe._runtime.tensormap import SWIZZLE_128B, UINT16, check_geometry
-    from cupymoe.experts.gemm import X_BOX_ROWS, x_map_geometry
+    from cupymoe.experts.gemm import x_box_rows, x_map_geometry
 
+    per = x_box_rows(bn)
+    assert per % 8 == 0
+    assert all(-(-item // per) * per <= bn for item in range(1, bn + 1))
     h = rng.integers(1, 2**16, (rows, k), dtype=np.uint16)
     split = np.empty_like(h)
     split[:, split_positions(k)] = h
-    dims, strides, box = x_map_geometry(rows, k)
+    dims, strides, box = x_map_geometry(rows, k, bn)
     check_geometry(1 << 20, UINT16, dims, strides, box, SWIZZLE_128B)
-    assert box == (64, X_BOX_ROWS) and dims == (k, rows) and strides == (2 * k,)
+    assert box == (64, per) and dims == (k, rows) and strides == (2 * k,)
     for row0 in (0, rows - rows // 2):
         item = min(bn, rows - row0 + 5)  # past h's end: zeros
-        boxes = -(-item // X_BOX_ROWS)
+        boxes = -(-item // per)
         for ks in range(k // 128):
-            got = np.zeros((2, boxes * X_BOX_ROWS, 8, 8), h.dtype)
+            got = np.zeros((2, boxes * per, 8, 8), h.dtype)
             for kh in range(2):
                 for b in range(boxes):
-                    got[kh, X_BOX_ROWS * b : X_BOX_ROWS * (b + 1)] = _swizzled_box(
-                        split, box, 128 * ks + 64 * kh, row0 + X_BOX_ROWS * b
+                    got[kh, per * b : per * (b + 1)] = _swizzled_box(
+                        split, box, 128 * ks + 64 * kh, row0 + per * b
                     )
             want = np.zeros_like(got)
-            for n in range(min(boxes * X_BOX_ROWS, rows - row0)):
+            for n in range(min(boxes * per, rows - row0)):
                 for kh in range(2):
                     for j in range(8):
                         s_, kc = 4 * kh + j // 2, j % 2
@@ -1019,8 +1023,10 @@ def test_preset_h_maps_are_valid(preset: str) -> None:
     from cupymoe.presets import PRESETS
 
     s = PRESETS[preset]
-    for rows in (1, 17, 16384 * s.top_k):
-        check_geometry(1 << 30, UINT16, *x_map_geometry(rows, s.intermediate), SWIZZLE_128B)
+    for bn, _, _ in WGMMA_TILINGS:
+        for rows in (1, 17, 16384 * s.top_k):
+            geometry = x_map_geometry(rows, s.intermediate, bn)
+            check_geometry(1 << 30, UINT16, *geometry, SWIZZLE_128B)
 
 
 def test_tensor_map_geometry_errors() -> None:

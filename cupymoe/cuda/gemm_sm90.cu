@@ -555,8 +555,10 @@ struct Gemm90 {
     // stage of them is two columns of 2-D TMA boxes (one per 64-k half, kXBoxRows rows each),
     // which the copy engine writes with the 128-byte swizzle of the B layout. The producer
     // threads copy nothing, and the consumers need no proxy fence (the async proxy wrote B).
+    // Boxes of 32 rows (48 at kBN 144, whose tile is three of them): the copy engine's cost is
+    // per request, and 16-row boxes (twice the requests) gained half as much in FC2.
     __device__ __forceinline__ bool x_tma() const { return kAct == 0 && p.permuted_h != 0; }
-    static constexpr int kXBoxRows = 16;
+    static constexpr int kXBoxRows = kBN == 144 ? 48 : 32;
     static constexpr int kXBoxBytes = kXBoxRows * 128;
 
     // The arrivals that complete a stage's full barrier (with its bulk copies' bytes): one per
@@ -648,8 +650,9 @@ struct Gemm90 {
                     ++pub;
                     const uint32_t stage = smem_u32(smem) + slot * kStageBytes;
                     if (x_tma()) {
-                        // Box b of half kh: rows 16b .. 16b + 15 of the item. Boxes past the
-                        // item read rows that no stored column depends on; past h, zeros.
+                        // Box b of half kh: the item's rows kXBoxRows b .. + kXBoxRows - 1.
+                        // Rows past the item are read into columns that no store depends on;
+                        // rows past h come zero.
                         if (issues) {
                             const int boxes = (it.rows + kXBoxRows - 1) / kXBoxRows;
                             load_weights(stage, ks, c1, it.e, full + 8 * slot, 2 * boxes * kXBoxBytes);

@@ -54,6 +54,7 @@ __all__ = [
     "gemm_fc2",
     "kernel_specs",
     "map_geometry",
+    "x_box_rows",
     "x_map_geometry",
     "permute_split",
     "row_tiles",
@@ -532,23 +533,25 @@ def _maps(
     return tuple(out)
 
 
-#: Rows of one box of the wgmma FC2's map over h (gemm_sm90.cu ``Gemm90::kXBoxRows``).
-X_BOX_ROWS = 16
+def x_box_rows(bn: int) -> int:
+    """Rows of one box of the wgmma FC2's map over h at tile width ``bn`` (gemm_sm90.cu
+    ``Gemm90::kXBoxRows``): 48 at bn 144 (three per tile), else 32."""
+    return 48 if bn == 144 else 32
 
 
-def x_map_geometry(rows: int, k: int) -> tuple[tuple[int, ...], ...]:
+def x_map_geometry(rows: int, k: int, bn: int) -> tuple[tuple[int, ...], ...]:
     """``(dims, strides, box)`` of the wgmma FC2's map over ``h [rows, k]`` of 16-bit elements,
     innermost first: boxes of 64 columns (128 bytes, the 128-byte swizzle of the B layout) by
-    :data:`X_BOX_ROWS` rows (gemm_sm90.cu ``Gemm90::x_tma``)."""
-    return (k, rows), (2 * k,), (64, X_BOX_ROWS)
+    :func:`x_box_rows` rows (gemm_sm90.cu ``Gemm90::x_tma``)."""
+    return (k, rows), (2 * k,), (64, x_box_rows(bn))
 
 
-def _x_map(h: Any, permuted_h: bool, fallback: TensorMap) -> TensorMap:
+def _x_map(h: Any, permuted_h: bool, bn: int, fallback: TensorMap) -> TensorMap:
     """The wgmma FC2's last argument: the map over ``h``, which its producer reads where h holds
     the split k order (``permuted_h``); elsewhere ``fallback`` stands in, unread."""
     if not permuted_h:
         return fallback
-    dims, strides, box = x_map_geometry(int(h.shape[0]), int(h.shape[1]))
+    dims, strides, box = x_map_geometry(int(h.shape[0]), int(h.shape[1]), bn)
     return tiled(int(h.data.ptr), UINT16, dims, strides, box, swizzle=SWIZZLE_128B)
 
 
@@ -755,8 +758,8 @@ def _gemm_single(
         16,
         w.format.code,
     )
-    if maps and act is None:
-        maps = (*maps, _x_map(x, permuted_h, maps[0]))
+    if isinstance(cfg, WgmmaConfig) and act is None:
+        maps = (*maps, _x_map(x, permuted_h, cfg.bn, maps[0]))
     launch(
         spec,
         grid,
