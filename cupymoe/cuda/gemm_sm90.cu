@@ -77,7 +77,8 @@
 namespace wg {
 
 // wgmma m64nNk16, fp32 accumulators, A (4 registers) from registers, B from the descriptor b;
-// scale_d = 0 overwrites the accumulators. Wgmma<N, T>::run; one specialisation per N and type.
+// scale_d = 0 overwrites the accumulators. Wgmma<N, T>::run; one specialisation per N and type,
+// both types' written by one CM_WG line per N below.
 template <int kN, typename T> struct Wgmma;
 // Accumulator operands d[i .. i + 7] (CM_WG_D4: d[i .. i + 3]) and the other operands of every
 // wrapper below.
@@ -85,196 +86,57 @@ template <int kN, typename T> struct Wgmma;
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CM_WG_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define CM_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d)
-template <> struct Wgmma<8, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %9, 0; "
-            "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3"
-            "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }"
-            : CM_WG_D4(0)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<8, __half> {
-    __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %9, 0; "
-            "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
-            "%0, %1, %2, %3"
-            "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }"
-            : CM_WG_D4(0)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<16, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
-            "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7"
-            "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
-            : CM_WG_D8(0)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<16, __half> {
-    __device__ __forceinline__ static void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %13, 0; "
-            "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7"
-            "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }"
-            : CM_WG_D8(0)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<32, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-            "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<32, __half> {
-    __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %21, 0; "
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-            "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<48, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[24], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %29, 0; "
-            "wgmma.mma_async.sync.aligned.m64n48k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23"
-            "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<48, __half> {
-    __device__ __forceinline__ static void run(float (&d)[24], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %29, 0; "
-            "wgmma.mma_async.sync.aligned.m64n48k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23"
-            "}, {%24, %25, %26, %27}, %28, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<64, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<64, __half> {
-    __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %37, 0; "
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-            "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<128, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
-              CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<128, __half> {
-    __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %69, 0; "
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-            "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
-              CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<144, __nv_bfloat16> {
-    __device__ __forceinline__ static void run(float (&d)[72], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %77, 0; "
-            "wgmma.mma_async.sync.aligned.m64n144k16.f32.bf16.bf16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-            "%64, %65, %66, %67, %68, %69, %70, %71"
-            "}, {%72, %73, %74, %75}, %76, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24), CM_WG_D8(32),
-              CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56), CM_WG_D8(64)
-            : CM_WG_IN);
-    }
-};
-template <> struct Wgmma<144, __half> {
-    __device__ __forceinline__ static void run(float (&d)[72], const uint32_t (&a)[4], uint64_t b,
-                                               int scale_d) {
-        asm volatile(
-            "{ .reg .pred p; setp.ne.b32 p, %77, 0; "
-            "wgmma.mma_async.sync.aligned.m64n144k16.f32.f16.f16 {"
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-            "%64, %65, %66, %67, %68, %69, %70, %71"
-            "}, {%72, %73, %74, %75}, %76, p, 1, 1, 0; }"
-            : CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24), CM_WG_D8(32),
-              CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56), CM_WG_D8(64)
-            : CM_WG_IN);
-    }
-};
+// The specialisation of width kN for element type T, whose PTX name is the string literal TY. P
+// and B are the asm operand numbers of scale_d and b (kN / 2 + 5 and kN / 2 + 4), D and A the
+// template's lists of the kN / 2 accumulators and of a's four registers, the rest the
+// accumulators' constraints (CM_WG_D8 / CM_WG_D4).
+#define CM_WG_SPEC(T, TY, kN, P, D, A, B, ...)                                                 \
+    template <> struct Wgmma<kN, T> {                                                          \
+        __device__ __forceinline__ static void run(float (&d)[kN / 2], const uint32_t (&a)[4], \
+                                                   uint64_t b, int scale_d) {                  \
+            asm volatile(                                                                      \
+                "{ .reg .pred p; setp.ne.b32 p, %" #P ", 0; "                                  \
+                "wgmma.mma_async.sync.aligned.m64n" #kN "k16.f32." TY "." TY " {"              \
+                D "}, {" A "}, %" #B ", p, 1, 1, 0; }"                                         \
+                : __VA_ARGS__                                                                  \
+                : CM_WG_IN);                                                                   \
+        }                                                                                      \
+    };
+// Both element types of a width from one line: they differ only in the operand type in the
+// instruction's name. An asm template must be a string literal (adjacent literals concatenate, but
+// a constexpr char array or a trait's static member is no literal), so the type's PTX name enters
+// as a macro argument; CM_WG is the one place that maps a type to it.
+#define CM_WG(...) \
+    CM_WG_SPEC(__nv_bfloat16, "bf16", __VA_ARGS__) CM_WG_SPEC(__half, "f16", __VA_ARGS__)
+CM_WG(8, 9, "%0, %1, %2, %3", "%4, %5, %6, %7", 8, CM_WG_D4(0))
+CM_WG(16, 13, "%0, %1, %2, %3, %4, %5, %6, %7", "%8, %9, %10, %11", 12, CM_WG_D8(0))
+CM_WG(32, 21, "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15",
+      "%16, %17, %18, %19", 20, CM_WG_D8(0), CM_WG_D8(8))
+CM_WG(48, 29,
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23",
+      "%24, %25, %26, %27", 28, CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16))
+CM_WG(64, 37,
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31",
+      "%32, %33, %34, %35", 36, CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24))
+CM_WG(128, 69,
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63",
+      "%64, %65, %66, %67", 68, CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
+      CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56))
+CM_WG(144, 77,
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71",
+      "%72, %73, %74, %75", 76, CM_WG_D8(0), CM_WG_D8(8), CM_WG_D8(16), CM_WG_D8(24),
+      CM_WG_D8(32), CM_WG_D8(40), CM_WG_D8(48), CM_WG_D8(56), CM_WG_D8(64))
+#undef CM_WG
+#undef CM_WG_SPEC
 #undef CM_WG_D8
 #undef CM_WG_D4
 #undef CM_WG_IN
