@@ -44,7 +44,8 @@
 // in core matrix kc of step s = 2q + h, row n, the 4-byte word t is x[n, 32t + 8q + 4h + 2kc ..
 // + 1]. Where the source already has its stages in that order (split_position: FC2's h from a
 // permuted_h FC1, FC1's x from permute_split) the producer copies each 16-byte piece straight
-// into its place. Otherwise (x in natural order, the last partial stage of K) thread q of a row
+// into its place (FC2's, whose rows are contiguous, as TMA boxes: the 128-byte swizzle is the
+// layout's). Otherwise (x in natural order, the last partial stage of K) thread q of a row
 // copies the four pieces 32t + 8q (t = 0..3) into the four 16-byte slots that its regrouping
 // will fill, and one stage later (when the copies have landed) reads them and writes them back
 // regrouped as four core-matrix rows: no other thread's data, no barrier, no bank conflicts (the
