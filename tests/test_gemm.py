@@ -1015,6 +1015,23 @@ def test_fc2_h_boxes_are_the_b_layout(rng: np.random.Generator, k: int, rows: in
             np.testing.assert_array_equal(got, want, err_msg=f"row0 {row0} stage {ks}")
 
 
+def test_h_box_rows_are_the_kernels() -> None:
+    """The host's box height (x_box_rows) is the kernel's Gemm90::kXBoxRows for every tiling: the
+    stage's expected bytes count the kernel's boxes, so a mismatch would hang the stage (host
+    boxes smaller) or overrun the B region (larger)."""
+    import re
+    from pathlib import Path
+
+    from cupymoe.experts.gemm import x_box_rows
+
+    text = (Path(__file__).parents[1] / "cupymoe" / "cuda" / "gemm_sm90.cu").read_text()
+    found = re.findall(r"static constexpr int kXBoxRows = kBN == (\d+) \? (\d+) : (\d+);", text)
+    assert len(found) == 1, found
+    bn_special, rows_special, rows_other = (int(v) for v in found[0])
+    for bn, _, _ in WGMMA_TILINGS:
+        assert x_box_rows(bn) == (rows_special if bn == bn_special else rows_other), bn
+
+
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "gpt-oss-20b", "deepseek-v3"])
 def test_preset_h_maps_are_valid(preset: str) -> None:
     """FC2's map over every preset's h, at any row count, meets the driver's rules."""

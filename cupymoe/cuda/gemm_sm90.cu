@@ -1007,7 +1007,8 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
 // slot) + kStages item records + the row-tile table (experts/gemm.py computes it).
 // Arguments as gemm_fp4.cu's gemm_fc2, then permuted_h and the tensor maps of w and scales
 // (experts/gemm.py _maps: over the same bytes as w and scales) and of x (h) as 16-bit [rows, k]
-// in boxes of 16 rows x 64 k with the 128-byte swizzle, read where permuted_h (Gemm90::x_tma).
+// in boxes of Gemm90::kXBoxRows rows x 64 k with the 128-byte swizzle, read where permuted_h
+// (Gemm90::x_tma).
 template <int kFormat, typename T, bool kBias, int kBN, int kStages, int kGroups>
 __global__ void __launch_bounds__(128 * (1 + kGroups), 1)
     gemm90_fc2(const T* __restrict__ x, const uint8_t* __restrict__ w,
