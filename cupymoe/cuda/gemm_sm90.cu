@@ -419,7 +419,7 @@ struct Gemm90 {
     // which the copy engine writes with the 128-byte swizzle of the B layout. The producer
     // threads copy nothing, and the consumers need no proxy fence (the async proxy wrote B).
     // Boxes of 32 rows (48 at kBN 144, whose tile is three of them): the copy engine's cost is
-    // per request, and 16-row boxes (twice the requests) gained half as much in FC2.
+    // per request, and 16-row boxes (two to three times the requests) gained half as much.
     __device__ __forceinline__ bool x_tma() const { return kAct == 0 && p.permuted_h != 0; }
     static constexpr int kXBoxRows = kBN == 144 ? 48 : 32;
     static constexpr int kXBoxBytes = kXBoxRows * 128;
