@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -182,3 +183,66 @@ def test_stream_probe_edits_the_current_kernel(repo_script: Any, tmp_path: Any) 
         edited = (tree / probe.KERNEL).read_text()
         assert edited == probe.probe_source(source, probe.PROBES[name])
         assert (tree / "cupymoe" / "__init__.py").is_file()
+
+
+def test_item_timeline_edits_the_current_kernel(repo_script: Any, tmp_path: Any) -> None:
+    """item_timeline: its edits find their anchors in today's gemm_sm90.cu (exactly once), add
+    the five stamps per item and the record, and refuse a kernel that moved on."""
+    timeline = repo_script("benchmarks/item_timeline.py")
+    source = (timeline.ROOT / timeline.KERNEL).read_text()
+    edited = timeline.instrument(source)
+    assert edited.count("clock64()") == source.count("clock64()") + 5
+    assert edited.count("cm_probe") == 2 and edited.count("++nitem;") == 1
+    moved = source.replace("            if constexpr (kEpiInSlot) {\n", "")
+    with pytest.raises(ValueError, match="edit 2: its anchor is in gemm_sm90.cu 0 times"):
+        timeline.instrument(moved)
+    tree = timeline.write_tree(timeline.ROOT, tmp_path)
+    assert (tree / timeline.KERNEL).read_text() == edited
+    assert (tree / "cupymoe" / "__init__.py").is_file()
+
+
+def test_item_timeline_summary(repo_script: Any) -> None:
+    """item_timeline.summarize: the shares of each block's span and the means per item position
+    and width, from a hand-made record of two blocks."""
+    timeline = repo_script("benchmarks/item_timeline.py")
+    stamps = np.zeros(
+        (timeline.BLOCKS, timeline.ITEMS, timeline.GROUPS, timeline.VALUES), np.uint64
+    )
+    assert timeline.summarize(stamps) is None
+    # Block 0, group 0: two items. Item 0 (width 144): wait 100, K loop 700, barrier 0, epilogue
+    # 200; a gap of 50; item 1 (width 128): wait 10, K loop 600, barrier 20, epilogue 120.
+    stamps[0, 0, 0] = [1000, 1100, 1800, 1800, 2000, 140, 144, 1]
+    stamps[0, 1, 0] = [2050, 2060, 2660, 2680, 2800, 128, 128, 1]
+    # Block 5, group 1: one item of width 32: wait 0, K loop 300, barrier 0, epilogue 100.
+    stamps[5, 0, 1] = [7, 7, 307, 307, 407, 20, 32, 1]
+    s = timeline.summarize(stamps)
+    assert s is not None and s["records"] == 2 and s["span_max"] == 1800
+    assert s["span_median"] == pytest.approx((1800 + 400) / 2)
+    assert s["shares"]["kloop"] == pytest.approx((1300 / 1800 + 300 / 400) / 2)
+    assert s["shares"]["gap"] == pytest.approx((50 / 1800 + 0) / 2)
+    assert s["by_position"][0] == dict(wait=50.0, kloop=500.0, bar=0.0, epi=150.0, items=2)
+    assert s["by_position"][1] == dict(wait=10.0, kloop=600.0, bar=20.0, epi=120.0, items=1)
+    assert s["by_width_after_first"] == {
+        128: dict(wait=10.0, kloop=600.0, bar=20.0, epi=120.0, items=1)
+    }
+
+
+def test_stage_anatomy_bookkeeping(repo_script: Any) -> None:
+    """stage_anatomy: the wrappers it generates are the widths its kernel instantiates, and its
+    output lines parse (a CUDA error raises)."""
+    anatomy = repo_script("benchmarks/stage_anatomy.py")
+    ops = anatomy.includes()["ops.inc"]
+    kernel = (Path(anatomy.HERE) / "stage_anatomy.cu").read_text()
+    for n in anatomy.WIDTHS:
+        assert f"void wgrs{n}(" in ops and f"wgrs{n}(d, a, b, 1)" in kernel
+    line = (
+        "all (the kernel's stage)   N=144 cycles/stage 2662 (ideal 2304, 87 %) 2.944 ms, "
+        "1808 MHz, HBM 1.65 TB/s, no error"
+    )
+    row = anatomy.parse(line)
+    expected = dict(variant="all (the kernel's stage)", n=144, cycles=2662, ideal=2304, pct=87)
+    assert row == dict(expected, mhz=1808, ms=2.944, hbm_tbps=1.65)
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        anatomy.parse(line.replace("no error", "misaligned address"))
+    with pytest.raises(ValueError, match="unexpected output"):
+        anatomy.parse("something else")
