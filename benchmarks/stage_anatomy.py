@@ -40,7 +40,7 @@ WIDTHS = (64, 128, 144)
 _LINE = re.compile(
     r"^(?P<name>.+?)\s+N=(?P<n>\d+) cycles/stage (?P<cycles>\d+) "
     r"\(ideal (?P<ideal>\d+), (?P<pct>\d+) %\) "
-    r"(?P<ms>[\d.]+) ms, (?P<mhz>\d+) MHz, HBM (?P<tbps>[\d.]+) TB/s, (?P<error>.+)$"
+    r"(?P<ms>[\d.]+) ms, (?:(?P<mhz>\d+) MHz, )?HBM (?P<tbps>[\d.]+) TB/s, (?P<error>.+)$"
 )
 
 
@@ -50,15 +50,18 @@ def includes() -> dict[str, str]:
 
 
 def parse(line: str) -> dict[str, float | str]:
-    """One output line of the probe as a row; ``RuntimeError`` for a CUDA error."""
+    """One output line of the probe as a row (``mhz`` where the line has it); ``RuntimeError`` for
+    a CUDA error."""
     m = _LINE.match(line.strip())
     if m is None:
         raise ValueError(f"stage_anatomy: unexpected output {line!r}")
     if m["error"] != "no error":
         raise RuntimeError(f"CUDA error: {m['error']}")
     row: dict[str, float | str] = {"variant": m["name"].strip()}
-    for key in ("n", "cycles", "ideal", "pct", "mhz"):
+    for key in ("n", "cycles", "ideal", "pct"):
         row[key] = int(m[key])
+    if m["mhz"] is not None:  # (the first version of the probe printed no clock)
+        row["mhz"] = int(m["mhz"])
     row["ms"], row["hbm_tbps"] = float(m["ms"]), float(m["tbps"])
     return row
 
@@ -83,7 +86,9 @@ def main() -> None:
     print("| variant | N | cycles / stage | ideal | % of ideal | MHz | HBM TB/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r[k] for k in ("variant", "n", "cycles", "ideal", "pct", "mhz", "hbm_tbps")]
+        cells = [
+            r.get(k, "") for k in ("variant", "n", "cycles", "ideal", "pct", "mhz", "hbm_tbps")
+        ]
         print("| " + " | ".join(map(str, cells)) + " |")
     if args.json:
         with open(args.json, "w") as f:

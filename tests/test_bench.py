@@ -244,5 +244,6 @@ def test_stage_anatomy_bookkeeping(repo_script: Any) -> None:
     assert row == dict(expected, mhz=1808, ms=2.944, hbm_tbps=1.65)
     with pytest.raises(RuntimeError, match="misaligned address"):
         anatomy.parse(line.replace("no error", "misaligned address"))
+    assert "mhz" not in anatomy.parse(line.replace("1808 MHz, ", ""))
     with pytest.raises(ValueError, match="unexpected output"):
         anatomy.parse("something else")
