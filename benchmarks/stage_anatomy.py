@@ -26,14 +26,12 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from wgmma_ceiling import wrapper  # noqa: E402  (the benchmarks folder is not a package)
+from wgmma_ceiling import build_and_run, wrapper  # noqa: E402  (the benchmarks folder is not a package)
 
 #: The wgmma widths stage_anatomy.cu instantiates.
 WIDTHS = (64, 128, 144)
@@ -70,18 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in includes().items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        exe = os.path.join(tmp, "anatomy")
-        build = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17"]
-        subprocess.run(
-            [*build, "-I", tmp, "-o", exe, os.path.join(HERE, "stage_anatomy.cu")], check=True
-        )
-        lines = subprocess.run(
-            [exe], check=True, capture_output=True, text=True
-        ).stdout.splitlines()
+    lines = build_and_run("stage_anatomy.cu", includes())
     rows = [parse(line) for line in lines if line.strip()]
     print("| variant | N | cycles / stage | ideal | % of ideal | MHz | HBM TB/s |")
     print("|---|---|---|---|---|---|---|")

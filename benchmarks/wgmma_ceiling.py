@@ -83,21 +83,26 @@ def includes() -> dict[str, str]:
     return {"ops.inc": ops, "rows.inc": rows + "\n"}
 
 
+def build_and_run(source: str, generated: dict[str, str]) -> list[str]:
+    """Builds ``source`` (a file of this folder) for ``sm_90a`` with nvcc, the ``generated``
+    includes (name -> text) beside it in a temporary folder, runs it, returns its output lines
+    (stage_anatomy.py uses it too)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in generated.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        exe = os.path.join(tmp, "probe")
+        build = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17"]
+        subprocess.run([*build, "-I", tmp, "-o", exe, os.path.join(HERE, source)], check=True)
+        done = subprocess.run([exe], check=True, capture_output=True, text=True)
+    return done.stdout.splitlines()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in includes().items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        exe = os.path.join(tmp, "ceiling")
-        build = ["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-O3", "-std=c++17"]
-        source = os.path.join(HERE, "wgmma_ceiling.cu")
-        subprocess.run([*build, "-I", tmp, "-o", exe, source], check=True)
-        lines = subprocess.run(
-            [exe], check=True, capture_output=True, text=True
-        ).stdout.splitlines()
+    lines = build_and_run("wgmma_ceiling.cu", includes())
     rows = []
     print("| N | wgmma / group | wait | groups | A | alu | TFLOP/s | MHz | cycles/wgmma | ideal |")
     print("|---|---|---|---|---|---|---|---|---|---|")
