@@ -46,6 +46,7 @@ BLOCKS = 132  # blocks recorded (an H100 / H200 has 132 SMs: the persistent grid
 ITEMS = 40  # items recorded per block
 VALUES = 8  # per (block, item, group): five stamps, rows, width, a written flag
 GROUPS = 2
+POSITIONS = 6  # item positions summarised one by one (the first is the launch's start)
 
 _EDITS: tuple[tuple[str, str], ...] = (
     (
@@ -166,7 +167,7 @@ def summarize(stamps: np.ndarray) -> dict[str, Any] | None:
                 ("wait", "kloop", "bar", "epi", "gap"), map(float, shares.mean(axis=0)), strict=True
             )
         ),
-        by_position={i: means(rows) for i, rows in sorted(by_pos.items()) if i < 6},
+        by_position={i: means(rows) for i, rows in sorted(by_pos.items()) if i < POSITIONS},
         by_width_after_first={w: means(rows) for w, rows in sorted(by_width.items())},
     )
 
@@ -238,9 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {}
     with tempfile.TemporaryDirectory(prefix="item_timeline_") as tmp:
         tree = write_tree(ROOT, Path(tmp))
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
-        )
+        env = dict(os.environ, PYTHONPATH=str(tree))  # the copy alone, as bench_ab.py's trees
         for case in args.case:
             done = subprocess.run(
                 [sys.executable, __file__, "--run", case],
