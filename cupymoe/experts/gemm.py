@@ -69,10 +69,14 @@ __all__ = [
 _MTILE_BYTES = 1024
 _XROW_BYTES = 256
 _SCALE_TILE_BYTES = {Fp4Format.NVFP4.code: 128, Fp4Format.MXFP4.code: 64}
-#: The wgmma epilogue's two staging buffers: 16 rows of 256 16-bit columns + 16 bytes each
-#: (Gemm90::kEpiBytes in cuda/gemm_sm90.cu up to bn 128; bn 144 stages 32-row chunks in a stage
-#: slot and needs no buffers of its own).
-_EPI_BYTES = 2 * 16 * (256 * 2 + 16)
+#: The wgmma epilogue's two staging buffers of ``rows`` rows of 256 16-bit columns + 16 bytes
+#: each (Gemm90::kEpiRows / kEpiBytes in cuda/gemm_sm90.cu): 32 rows at bn 64, 16 at bn 128;
+#: bn 144 stages 48-row chunks in a stage slot and needs no buffers of its own.
+_EPI_ROWS = {64: 32, 128: 16}
+
+
+def _epi_bytes(bn: int) -> int:
+    return 2 * _EPI_ROWS[bn] * (256 * 2 + 16) if bn in _EPI_ROWS else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +280,7 @@ class WgmmaConfig:
         epilogue in a stage slot instead), a 16-byte item record per stage, and the row-tile
         table of ``slots``."""
         stages = self.stages * (self.stage_bytes(fmt_code) + 16)
-        epilogue = 0 if self.bn > 128 else _EPI_BYTES  # bn 144 stages it in a stage slot
-        return 1024 + stages + epilogue + _table_bytes(slots)
+        return 1024 + stages + _epi_bytes(self.bn) + _table_bytes(slots)
 
 
 def wgmma_enabled() -> bool:
