@@ -338,17 +338,17 @@ struct Gemm90 {
     // Row n of a producer pass within the tile (kBN 144: the last pass's first 16 rows only).
     __device__ __forceinline__ static constexpr bool in_tile(int n) { return kBN % 32 == 0 || n < kBN; }
     // The epilogue stages the output through shared memory, kEpiRows rows at a time, in two
-    // buffers of the widest tile (experts/gemm.py _epi_bytes up to kBN 128); a staged row is the tile's kBC
-    // columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free stores).
+    // buffers of the widest tile (experts/gemm.py _epi_bytes up to kBN 128); a staged row is the
+    // tile's kBC columns plus 16 bytes, so that rows 2 apart start 8 banks apart (conflict-free
+    // stores).
     static constexpr int kBC = kBMT * kRowsPerTile;               // output columns of a tile
     // kBN 144: the staging buffers are the item's last stage slot, released to the producer only
     // after the epilogue, so that four stages fit the block's shared memory (three ran full
     // 128-row tiles 2-10 % slower: the ring refills during an epilogue). Chunks as large as the
     // buffers allow (48 rows in the slot, 32 at kBN 64, 16 at kBN 128, whose four stages leave
     // no more): each chunk is a barrier and a dependent chain of stores, shared loads and global
-    // stores, and the epilogue is a chain of them (Qwen3.6's FC2 at 4,096 tokens spent 5,600
-    // cycles per 144-row item in five 32-row chunks against 9,700 in its K loop: docs/kernels.md,
-    // twenty-second round).
+    // stores, and the tensor cores idle through the epilogue's chain of them (docs/kernels.md,
+    // twenty-second and twenty-third rounds).
     static constexpr bool kEpiInSlot = kBN > 128;
     static constexpr int kEpiRows = kEpiInSlot ? 48 : kBN == 64 ? 32 : 16;
     static constexpr int kEpiChunks = (kBN + kEpiRows - 1) / kEpiRows;
