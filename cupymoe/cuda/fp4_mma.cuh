@@ -209,6 +209,17 @@ __device__ __forceinline__ float sigmoid_times(float v, float a) {
     return __fdividef(v, 1.0f + __expf(-a * v));
 }
 
+__device__ __forceinline__ float min_nan(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
 struct ActArgs {  // swiglu_oai, the general SwiGLU: g sigmoid(alpha g) (u + beta), clamp limit
     float alpha, beta, limit;
 };
@@ -220,10 +231,12 @@ template <int kAct> __device__ __forceinline__ float activate(float g, float u, 
     } else if constexpr (kAct == 2) {
         return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
     } else {
-        // Comparisons, not fminf/fmaxf: those return the other operand for NaN, and a NaN must
-        // reach the output like it does in the reference.
-        g = g > a.limit ? a.limit : g;
-        u = u > a.limit ? a.limit : (u < -a.limit ? -a.limit : u);
+        // min.NaN / max.NaN, not fminf/fmaxf: those return the other operand for NaN, and a NaN
+        // must reach the output as in the reference. Branch-free (the nested comparisons compiled
+        // to a branch per value); the same results as the comparisons for the limit the host
+        // admits (a float32 > 0, +inf included).
+        g = min_nan(g, a.limit);
+        u = max_nan(min_nan(u, a.limit), -a.limit);
         return sigmoid_times(g, a.alpha) * (u + a.beta);
     }
 }

@@ -866,9 +866,11 @@ struct Gemm90 {
 #pragma unroll
                         for (int v = 0; v < 2; ++v) {
                             // Uniform: width 8 leaves n8 blocks past the item's 8 rows
-                            // unwritten; a 32-row chunk skips the activations of rows past the
-                            // item, and kBN 144's last chunk has 16 rows.
-                            if ((kNarrow || kEpiInSlot) && kEpiRows * c + 8 * jh >= it.rows) break;
+                            // unwritten, and kBN 144's last chunk has 16 rows. Other chunks
+                            // stage their rows past the item too (never copied out): a row
+                            // test here would cut the chunk into blocks of two values, and
+                            // ptxas would then overlap only two activations' MUFU chains.
+                            if (kNarrow && kEpiRows * c + 8 * jh >= it.rows) break;
                             const int jb = kJH * c + jh;
                             if (jb >= kBN / 8) break;
                             const uint32_t row = buf_s + (8 * jh + v) * kEpiStride;

@@ -93,8 +93,14 @@ class ActivationSpec:
         for name in ("alpha", "beta"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: expected a finite float, got {getattr(self, name)}")
-        if not self.limit > 0:  # +inf is allowed: no clamping
-            raise ValueError(f"limit: expected > 0 (inf for no clamping), got {self.limit}")
+        # The kernels clamp with a float32 limit (min.NaN / max.NaN, exact for a limit > 0):
+        # a positive limit that rounds to 0 in float32 is refused too.
+        with np.errstate(over="ignore"):  # a limit past float32's range clamps nothing
+            limit32 = np.float32(self.limit)
+        if not limit32 > 0:  # +inf is allowed: no clamping
+            raise ValueError(
+                f"limit: expected > 0 in float32 (inf for no clamping), got {self.limit}"
+            )
 
 
 def check_activation(act: Any, name: str = "act") -> ActivationSpec:
