@@ -207,6 +207,13 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const TensorMap* map, 
         : "memory");
 }
 
+// Fetches a tensor map's descriptor into the TMA unit's cache ahead of its first box, so that
+// the launch's first copies do not wait for it.
+__device__ __forceinline__ void prefetch_map(const TensorMap* map) {
+    if (map != nullptr)
+        asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
 // Orders this thread's ordinary shared-memory stores before later async-proxy reads (wgmma).
 __device__ __forceinline__ void fence_async_shared() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -991,6 +998,13 @@ __device__ __forceinline__ void gemm90_body(const Params& p, const TensorMap* ma
             mbar_init(empty + 8 * s, G::kCons);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    // The maps are kernel parameters, not an upstream kernel's data: safe before the wait.
+    if (threadIdx.x == 0) {
+        prefetch_map(map0);
+        prefetch_map(map1);
+        prefetch_map(smap);
+        prefetch_map(xmap);
     }
     // Programmatic dependent launch: as gemm_fp4.cu (FC1 waits before the maps, FC2 after).
     if constexpr (kAct != 0) cm::wait_upstream();
