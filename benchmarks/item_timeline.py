@@ -22,6 +22,12 @@ item is the launch's start: its wait is the ring's first fill, its epilogue runs
 ``wgmma`` width of the later items, the mean cycles of each part. docs/kernels.md, twenty-second
 round, reads a run. The stamps cost a few instructions per item; the instrumented kernels
 compiled with no spills for every tiling at session 36.
+
+``--back-to-back`` times, instead of the eager call, each of FC1 and FC2 alone in a CUDA graph
+after the L2 has been flushed, once (``fc1 x1``: code, maps and weights cold) and twice back to
+back (``fc1 x2``: the stamps are the second launch's, which finds its code and its maps in the L2
+the first left, its first items' weights still cold). The first item's excess over the later
+items in ``x1`` and not in ``x2`` is what a cold start costs a launch.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ ITEMS = 40  # items recorded per block
 VALUES = 8  # per (block, item, group): five stamps, rows, width, a written flag
 GROUPS = 2
 POSITIONS = 6  # item positions summarised one by one (the first is the launch's start)
+L2_FLUSH_BYTES = 60 << 20  # the H100's / H200's L2 (50 / 60 MB), rounded up
 
 _EDITS: tuple[tuple[str, str], ...] = (
     (
@@ -172,8 +179,9 @@ def summarize(stamps: np.ndarray) -> dict[str, Any] | None:
     )
 
 
-def _run_case(preset: str, tokens: int) -> dict[str, Any]:
-    """One eager layer call with the instrumented package (this process's ``cupymoe``)."""
+def _run_case(preset: str, tokens: int, back_to_back: bool = False) -> dict[str, Any]:
+    """One eager layer call with the instrumented package (this process's ``cupymoe``), or
+    with ``back_to_back`` each expert stage's graph of one and of two launches (module doc)."""
     import cupy
     import ml_dtypes
 
@@ -211,12 +219,37 @@ def _run_case(preset: str, tokens: int) -> dict[str, Any]:
         except Exception:  # noqa: BLE001  (a module of another stage: no stamps)
             continue
         arrays[names.get(path, path)] = cupy.ndarray(shape4, cupy.uint64, pointer)
+    out = {}
+    if back_to_back:
+        from cupymoe.layer.graph import record_graph
+
+        flush = cupy.empty(4 * L2_FLUSH_BYTES // 4, cupy.uint32)  # 4x the L2: nothing stays
+        for stage in ("fc1", "fc2"):
+            for launches in (1, 2):
+                graph = record_graph(
+                    [layer] * launches,
+                    tokens,
+                    x.dtype,
+                    chain=False,
+                    stages=(stage,),
+                    inputs=(x, [logits] * launches),
+                )
+                with graph.stream:
+                    for array in arrays.values():
+                        array.fill(0)
+                    flush.fill(launches)
+                    graph.replay()
+                graph.stream.synchronize()
+                for name, array in arrays.items():
+                    summary = summarize(array.get())
+                    if summary is not None:
+                        out[f"{stage} x{launches} {name}"] = summary
+        return out
     for _ in range(2):
         for array in arrays.values():
             array.fill(0)
         layer(x, logits)
     cupy.cuda.Device().synchronize()
-    out = {}
     for name, array in arrays.items():
         summary = summarize(array.get())
         if summary is not None:
@@ -228,11 +261,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--case", action="append", default=[], help="preset:M (one layer of M tokens)")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="each expert stage alone after an L2 flush, once and twice back to back",
+    )
     ap.add_argument("--run", default=None, help=argparse.SUPPRESS)  # preset:M in the copy's process
     args = ap.parse_args(argv)
     if args.run:
         preset, tokens = args.run.split(":")
-        print(json.dumps(_run_case(preset, int(tokens))))
+        print(json.dumps(_run_case(preset, int(tokens), args.back_to_back)))
         return 0
     if not args.case:
         ap.error("give at least one --case")
@@ -242,7 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(os.environ, PYTHONPATH=str(tree))  # the copy alone, as bench_ab.py's trees
         for case in args.case:
             done = subprocess.run(
-                [sys.executable, __file__, "--run", case],
+                [sys.executable, __file__, "--run", case]
+                + (["--back-to-back"] if args.back_to_back else []),
                 env=env,
                 check=True,
                 capture_output=True,
