@@ -220,10 +220,17 @@ def _run_case(preset: str, tokens: int, back_to_back: bool = False) -> dict[str,
             continue
         arrays[names.get(path, path)] = cupy.ndarray(shape4, cupy.uint64, pointer)
     out = {}
+
+    def collect(prefix: str) -> None:  # the recorded launches' summaries into out
+        for name, array in arrays.items():
+            summary = summarize(array.get())
+            if summary is not None:
+                out[prefix + name] = summary
+
     if back_to_back:
         from cupymoe.layer.graph import record_graph
 
-        flush = cupy.empty(4 * L2_FLUSH_BYTES // 4, cupy.uint32)  # 4x the L2: nothing stays
+        flush = cupy.empty(4 * L2_FLUSH_BYTES, cupy.uint8)  # 4x the L2: nothing stays
         for stage in ("fc1", "fc2"):
             for launches in (1, 2):
                 graph = record_graph(
@@ -237,23 +244,17 @@ def _run_case(preset: str, tokens: int, back_to_back: bool = False) -> dict[str,
                 with graph.stream:
                     for array in arrays.values():
                         array.fill(0)
-                    flush.fill(launches)
+                    flush.fill(1)
                     graph.replay()
                 graph.stream.synchronize()
-                for name, array in arrays.items():
-                    summary = summarize(array.get())
-                    if summary is not None:
-                        out[f"{stage} x{launches} {name}"] = summary
+                collect(f"{stage} x{launches} ")
         return out
     for _ in range(2):
         for array in arrays.values():
             array.fill(0)
         layer(x, logits)
     cupy.cuda.Device().synchronize()
-    for name, array in arrays.items():
-        summary = summarize(array.get())
-        if summary is not None:
-            out[name] = summary
+    collect("")
     return out
 
 
