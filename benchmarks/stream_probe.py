@@ -18,6 +18,9 @@ change to ``cuda/gemm_sm90.cu``, and times them against the checkout itself with
   the contiguity of a stage-contiguous weight layout, over the bytes of the resident layout in
   the wrong order (timing only; the output is wrong).
 - ``bulk_unread``: both.
+- ``nogather_unread`` and ``bulk_nogather_unread``: ``unread`` and ``bulk_unread`` with the
+  producer gathering no activations (no ``cp.async`` of x, no boxes of h): the weights' and
+  scales' stream alone, without the activation traffic and the producer threads' issue.
 
 How to read it: the landed kernel against ``unread`` says how much the consumers add to the
 stream; ``unread`` against ``bulk_unread`` whether the box copies cap the stream (on the H100
@@ -91,12 +94,27 @@ _BULK_COPY = (
     "}\n",
 )
 
+# The producer's activation copies skipped (the gathered pieces and FC2's boxes of h), the full
+# barrier's byte count without them: only with "unread", whose consumers read nothing.
+_NOGATHER = (
+    ("cp_async16(row + (c / 2) * kHalfBytes", "if (false) cp_async16(row + (c / 2) * kHalfBytes"),
+    ("cp_async16(row + ((4 * (q % 2)", "if (false) cp_async16(row + ((4 * (q % 2)"),
+    (
+        "load_weights(stage, ks, c1, it.e, full + 8 * slot, 2 * boxes * kXBoxBytes);\n"
+        "                            for (int b = 0; b < boxes; ++b) {\n",
+        "load_weights(stage, ks, c1, it.e, full + 8 * slot, 0);  // PROBE nogather\n"
+        "                            for (int b = 0; b < 0 * boxes; ++b) {\n",
+    ),
+)
+
 #: Probe name -> the (anchor, text) edits of gemm_sm90.cu: the anchor is replaced (bulk) or the
 #: text inserted after it (unread, bulk_copy's helper before its anchor).
 PROBES: dict[str, tuple[str, ...]] = {
     "unread": ("unread",),
     "bulk": ("bulk",),
     "bulk_unread": ("bulk", "unread"),
+    "nogather_unread": ("nogather", "unread"),
+    "bulk_nogather_unread": ("bulk", "nogather", "unread"),
 }
 
 
@@ -116,17 +134,21 @@ def probe_source(source: str, edits: Sequence[str]) -> str:
         elif edit == "bulk":
             source = once(source, _BULK_BOXES[0], _BULK_BOXES[1], edit)
             source = once(source, _BULK_COPY[0], _BULK_COPY[1] + _BULK_COPY[0], edit)
+        elif edit == "nogather":
+            for anchor, new in _NOGATHER:
+                source = once(source, anchor, new, edit)
         else:
             raise ValueError(f"stream probe: unknown edit {edit!r}")
     return source
 
 
-def write_probes(root: Path, into: Path) -> dict[str, Path]:
-    """A copy of ``root``'s ``cupymoe`` per probe under ``into``, its kernel edited:
-    probe name -> tree."""
+def write_probes(root: Path, into: Path, names: Sequence[str] | None = None) -> dict[str, Path]:
+    """A copy of ``root``'s ``cupymoe`` per probe (``names``, default all) under ``into``, its
+    kernel edited: probe name -> tree."""
     source = (root / KERNEL).read_text()
     trees = {}
-    for name, edits in PROBES.items():
+    for name in PROBES if names is None else names:
+        edits = PROBES[name]
         tree = into / name
         skip = shutil.ignore_patterns("__pycache__")
         shutil.copytree(root / "cupymoe", tree / "cupymoe", ignore=skip)
@@ -141,11 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--probes", default=",".join(PROBES), help=f"comma-separated, of {', '.join(PROBES)}"
+    )
     args = ap.parse_args(argv)
     if not args.case:
         ap.error("give at least one --case")
+    names = args.probes.split(",")
+    unknown = sorted(set(names) - set(PROBES))
+    if unknown:
+        ap.error(f"unknown probes: {', '.join(unknown)}")
     with tempfile.TemporaryDirectory(prefix="stream_probe_") as tmp:
-        trees = write_probes(ROOT, Path(tmp))
+        trees = write_probes(ROOT, Path(tmp), names)
         ab = [sys.executable, str(ROOT / "benchmarks" / "bench_ab.py"), "--tree", f"landed={ROOT}"]
         for name, tree in trees.items():
             ab += ["--tree", f"{name}={tree}"]

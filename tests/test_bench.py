@@ -173,12 +173,15 @@ def test_stream_probe_edits_the_current_kernel(repo_script: Any, tmp_path: Any) 
     assert "tma_load_3d(stage + kAOff" not in bulk and bulk.count("bulk_copy(") == 4
     both = probe.probe_source(source, ["bulk", "unread"])
     assert "// PROBE unread" in both and "PROBE bulk" in both
+    alone = probe.probe_source(source, ["nogather", "unread"])
+    assert alone.count("if (false) cp_async16(") == 2 and alone.count("cp_async16(") == 3
+    assert "PROBE nogather" in alone and "2 * boxes * kXBoxBytes" not in alone
     with pytest.raises(ValueError, match="unread: its anchor is in gemm_sm90.cu 0 times"):
         probe.probe_source(unread.replace("fence_async_shared();  //", "x;  //"), ["unread"])
     with pytest.raises(ValueError, match="unknown edit"):
         probe.probe_source(source, ["nothing"])
     trees = probe.write_probes(probe.ROOT, tmp_path)
-    assert sorted(trees) == ["bulk", "bulk_unread", "unread"]
+    assert sorted(trees) == sorted(probe.PROBES)
     for name, tree in trees.items():
         edited = (tree / probe.KERNEL).read_text()
         assert edited == probe.probe_source(source, probe.PROBES[name])
