@@ -6,7 +6,7 @@ Run on a GPU from the repository root::
     git archive main cupymoe | (mkdir -p /tmp/main && tar -x -C /tmp/main)
     python3 benchmarks/bench_ab.py --tree main=/tmp/main --tree new=. \\
         --case qwen3.6-35b-a3b:256,1024 --case deepseek-v3:512 [--rounds 2] [--repeats 10] \\
-        [--hand-over ROWS] [--json ab.json]
+        [--hand-over ROWS] [--warm 8] [--json ab.json]
 
 A tree is a directory that holds a ``cupymoe`` package (a checkout, or the ``git archive`` of
 one revision as above). Each round runs the trees in the order given, each in a fresh process
@@ -17,10 +17,16 @@ layers, the median of ``--repeats``: µs per layer and per stage) and then runs 
 seeds at each M and keeps its output. The outputs of every tree are compared bitwise with the
 first tree's (a layout or schedule change should give the same bits; a numerics change will
 not). ``--hand-over ROWS`` moves every preset's GEMV/GEMM hand-over to ROWS rows per expert in
-every tree (the grouped GEMM above it), to time the GEMM where the GEMV would run.
+every tree (the grouped GEMM above it), to time the GEMM where the GEMV would run. ``--warm N``
+first compiles what every tree runs, in N processes at once (one eager layer call per tree,
+preset and M, each process holding its layer's weights on the GPU: keep N x the largest layer
+within the GPU's memory); without it each tree's first round compiles its kernels one after
+another, which on a fresh machine costs minutes of the device's time.
 
 Prints one line per (preset, M): each tree's µs per layer (FC1 / FC2) per round, the ratio of
-each tree's best round to the first tree's, and whether the outputs are bitwise equal.
+each tree's best round to the first tree's, and whether the outputs are bitwise equal; after
+each round but the last the timings so far (and ``--json``), so that a run stopped at a time
+limit still reports its finished rounds.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +75,51 @@ def parse_tree(text: str) -> tuple[str, Path]:
     return name, root
 
 
+def _set_hand_over(rows_per_expert: float) -> None:
+    """Every preset's GEMV/GEMM hand-over at ``rows_per_expert`` (0: as is)."""
+    from cupymoe.experts import handover
+
+    if rows_per_expert:
+        for key in list(handover._BY_SHAPE):
+            handover._BY_SHAPE[key] = handover.HandOver(rows_per_expert, rows_per_expert)
+
+
+def warm_worker(preset: str, tokens: int, hand_over: float) -> None:
+    """One eager layer call of ``preset`` at ``tokens`` tokens: compiles the tree's kernels for
+    it into the shared kernel cache (in the process that imported that tree's cupymoe)."""
+    import cupy
+    import ml_dtypes
+
+    import cupymoe
+    from cupymoe import presets
+
+    _set_hand_over(hand_over)
+    shape = presets.PRESETS[preset]
+    rng = np.random.default_rng(5)
+    layer = cupymoe.MoELayer(**presets.random_layer_gpu(shape, rng, seed=77, max_tokens=tokens))
+    x = cupy.asarray(rng.standard_normal((tokens, shape.hidden)).astype(ml_dtypes.bfloat16))
+    logits = cupy.asarray(rng.standard_normal((tokens, shape.n_experts)).astype(np.float32))
+    layer(x, logits)
+    cupy.cuda.Device().synchronize()
+
+
+def warm(
+    trees: Sequence[tuple[str, Path]], cases: Sequence[Case], hand_over: float, workers: int
+) -> None:
+    """:func:`warm_worker` for every tree, preset and M, ``workers`` processes at a time."""
+    jobs = [(root, case.preset, m) for _, root in trees for case in cases for m in case.tokens]
+
+    def one(job: tuple[Path, str, int]) -> None:
+        root, preset, m = job
+        env = dict(os.environ, PYTHONPATH=str(root))
+        cmd = [sys.executable, __file__, "--warm-worker", f"{preset}:{m}",
+               "--hand-over", str(hand_over), f"--case={preset}:{m}"]  # fmt: skip
+        subprocess.run(cmd, env=env, check=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, jobs))
+
+
 def run_worker(name: str, cases: Sequence[Case], repeats: int, hand_over: float, out: Path) -> None:
     """One tree's run (in the process that imported that tree's cupymoe): times, then outputs."""
     import cupy
@@ -75,11 +127,8 @@ def run_worker(name: str, cases: Sequence[Case], repeats: int, hand_over: float,
 
     import cupymoe
     from cupymoe import bench, presets
-    from cupymoe.experts import handover
 
-    if hand_over:
-        for key in list(handover._BY_SHAPE):
-            handover._BY_SHAPE[key] = handover.HandOver(hand_over, hand_over)
+    _set_hand_over(hand_over)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rows = []
     for case in cases:
@@ -160,7 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--hand-over", type=float, default=0.0, help="rows per expert (0: as is)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--warm", type=int, default=0, help="compile first, in this many processes (0: no)"
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warm-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out-dir", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cases = [Case.parse(c) for c in args.case]
@@ -169,16 +222,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         run_worker(args.worker, cases, args.repeats, args.hand_over, args.out_dir)
         return 0
+    if args.warm_worker:
+        preset, _, m = args.warm_worker.partition(":")
+        warm_worker(preset, int(m), args.hand_over)
+        return 0
     trees = [parse_tree(t) for t in args.tree]
     names = [n for n, _ in trees]
     if len(trees) < 2 or len(set(names)) != len(names):
         ap.error("--tree: two or more, with different names")
-    if args.rounds < 1 or args.repeats < 1:
-        ap.error("--rounds and --repeats: at least 1")
+    if args.rounds < 1 or args.repeats < 1 or args.warm < 0:
+        ap.error("--rounds and --repeats: at least 1; --warm: at least 0")
+    if args.warm:
+        warm(trees, cases, args.hand_over, args.warm)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        for _ in range(args.rounds):
+        for done in range(args.rounds):
+            if done:  # the finished rounds, in case a time limit stops the run
+                print(f"after round {done}:\n{table(rows, names, {})}", flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps({"rows": rows, "bitwise": {}}, indent=1))
             for name, root in trees:
                 env = dict(os.environ, PYTHONPATH=str(root))
                 cmd = [sys.executable, __file__, "--worker", name, "--out-dir", str(out),

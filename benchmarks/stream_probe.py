@@ -4,7 +4,7 @@
 Run on an H100 / H200 from the repository root::
 
     python3 benchmarks/stream_probe.py --case qwen3.6-35b-a3b:256,1024 --case deepseek-v3:512 \\
-        [--rounds 2] [--repeats 5] [--json probe.json]
+        [--rounds 2] [--repeats 5] [--warm 8] [--json probe.json]
 
 Writes three probe copies of this checkout's ``cupymoe`` into a temporary folder, each with one
 change to ``cuda/gemm_sm90.cu``, and times them against the checkout itself with
@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--warm", type=int, default=0, help="bench_ab.py --warm: compile first")
     ap.add_argument(
         "--probes", default=",".join(PROBES), help=f"comma-separated, of {', '.join(PROBES)}"
     )
@@ -181,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for case in args.case:
             ab += ["--case", case]
         ab += ["--rounds", str(args.rounds), "--repeats", str(args.repeats)]
+        ab += ["--warm", str(args.warm)]
         if args.json:
             ab += ["--json", args.json]
         return subprocess.run(ab).returncode

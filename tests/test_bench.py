@@ -134,6 +134,33 @@ def test_ab_bookkeeping(tmp_path: Any, repo_script: Any) -> None:
     assert text.endswith("x0.800 bitwise")
 
 
+def test_ab_warm_runs_every_tree_case_and_size(
+    tmp_path: Any, repo_script: Any, monkeypatch: Any
+) -> None:
+    """bench_ab --warm: one warm-up process per (tree, preset, M), each with its tree alone on
+    PYTHONPATH and the hand-over passed on; a failed one stops the run."""
+    ab = repo_script("benchmarks/bench_ab.py")
+    seen = []
+
+    def fake_run(cmd: list[str], env: dict[str, str], check: bool) -> None:
+        assert check
+        i = cmd.index("--warm-worker")
+        seen.append((env["PYTHONPATH"], cmd[i + 1], cmd[cmd.index("--hand-over") + 1]))
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    trees = [("a", tmp_path / "a"), ("b", tmp_path / "b")]
+    ab.warm(trees, [ab.Case("p", (1, 8)), ab.Case("q", (4,))], 2.0, 3)
+    want = {(str(tmp_path / t), c, "2.0") for t in "ab" for c in ("p:1", "p:8", "q:4")}
+    assert len(seen) == 6 and set(seen) == want
+
+    def failing(cmd: list[str], env: dict[str, str], check: bool) -> None:
+        raise ab.subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(ab.subprocess, "run", failing)
+    with pytest.raises(ab.subprocess.CalledProcessError):
+        ab.warm(trees, [ab.Case("p", (1,))], 0.0, 2)
+
+
 def test_read_ceiling_bookkeeping(repo_script: Any) -> None:
     bc = repo_script("benchmarks/bench_ceiling.py")
     results = [
