@@ -18,6 +18,9 @@ change to ``cuda/gemm_sm90.cu``, and times them against the checkout itself with
   the contiguity of a stage-contiguous weight layout, over the bytes of the resident layout in
   the wrong order (timing only; the output is wrong).
 - ``bulk_unread``: both.
+- ``ring7`` and ``ring7_unread``: the landed kernel and ``unread`` with a bn 32 x 7 stage
+  tiling for up to 16 rows per expert (``experts/gemm.py`` edited; at bn 64 five stages fit):
+  40 % more weight bytes in flight per SM, which says whether the ring's depth caps the stream.
 - ``nogather_unread`` and ``bulk_nogather_unread``: ``unread`` and ``bulk_unread`` with the
   producer gathering no activations (no ``cp.async`` of x, no boxes of h): the weights' and
   scales' stream alone, without the activation traffic and the producer threads' issue.
@@ -107,6 +110,24 @@ _NOGATHER = (
     ),
 )
 
+# The tiling edits of experts/gemm.py (ring7): bn 32 x 7 stages x 4 groups for up to 16 rows per
+# expert, its epilogue in 16-row chunks as the kernel's kEpiRows gives bn 32.
+GEMM = Path("cupymoe") / "experts" / "gemm.py"
+_RING7 = (
+    (
+        "WGMMA_TILINGS: tuple[tuple[int, int, int], ...] = ((64, 5, 4), (128, 4, 2), (144, 4, 2))",
+        "WGMMA_TILINGS: tuple[tuple[int, int, int], ...] = (\n"
+        "    (64, 5, 4), (128, 4, 2), (144, 4, 2), (32, 7, 4)  # PROBE ring7\n)",
+    ),
+    ("_EPI_ROWS = {64: 32, 128: 16}", "_EPI_ROWS = {64: 32, 128: 16, 32: 16}"),
+    (
+        "    if rows_per_expert <= WGMMA_NARROW_MAX_ROWS_PER_EXPERT:\n",
+        "    if rows_per_expert <= 16:  # PROBE ring7\n"
+        "        return WgmmaConfig(32, 7, 4)\n"
+        "    if rows_per_expert <= WGMMA_NARROW_MAX_ROWS_PER_EXPERT:\n",
+    ),
+)
+
 #: Probe name -> the (anchor, text) edits of gemm_sm90.cu: the anchor is replaced (bulk) or the
 #: text inserted after it (unread, bulk_copy's helper before its anchor).
 PROBES: dict[str, tuple[str, ...]] = {
@@ -115,28 +136,42 @@ PROBES: dict[str, tuple[str, ...]] = {
     "bulk_unread": ("bulk", "unread"),
     "nogather_unread": ("nogather", "unread"),
     "bulk_nogather_unread": ("bulk", "nogather", "unread"),
+    "ring7": ("ring7",),
+    "ring7_unread": ("ring7", "unread"),
 }
+
+
+def _once(text: str, anchor: str, new: str, what: str, where: str = "gemm_sm90.cu") -> str:
+    times = text.count(anchor)
+    if times != 1:
+        raise ValueError(f"stream probe {what}: its anchor is in {where} {times} times")
+    return text.replace(anchor, new)
+
+
+def tiling_source(source: str, edits: Sequence[str]) -> str:
+    """experts/gemm.py's text with the named edits that touch it (``"ring7"``; the others are
+    the kernel's); ``ValueError`` when an anchor is not found exactly once."""
+    if "ring7" in edits:
+        for anchor, new in _RING7:
+            source = _once(source, anchor, new, "ring7", "experts/gemm.py")
+    return source
 
 
 def probe_source(source: str, edits: Sequence[str]) -> str:
     """gemm_sm90.cu's text with the named edits (``"unread"``, ``"bulk"``); ``ValueError`` when
     an anchor is not found exactly once (the kernel moved on: update the probe)."""
 
-    def once(text: str, anchor: str, new: str, what: str) -> str:
-        times = text.count(anchor)
-        if times != 1:
-            raise ValueError(f"stream probe {what}: its anchor is in gemm_sm90.cu {times} times")
-        return text.replace(anchor, new)
-
     for edit in edits:
         if edit == "unread":
-            source = once(source, _UNREAD[0], _UNREAD[0] + _UNREAD[1], edit)
+            source = _once(source, _UNREAD[0], _UNREAD[0] + _UNREAD[1], edit)
         elif edit == "bulk":
-            source = once(source, _BULK_BOXES[0], _BULK_BOXES[1], edit)
-            source = once(source, _BULK_COPY[0], _BULK_COPY[1] + _BULK_COPY[0], edit)
+            source = _once(source, _BULK_BOXES[0], _BULK_BOXES[1], edit)
+            source = _once(source, _BULK_COPY[0], _BULK_COPY[1] + _BULK_COPY[0], edit)
+        elif edit == "ring7":
+            continue  # experts/gemm.py's (tiling_source)
         elif edit == "nogather":
             for anchor, new in _NOGATHER:
-                source = once(source, anchor, new, edit)
+                source = _once(source, anchor, new, edit)
         else:
             raise ValueError(f"stream probe: unknown edit {edit!r}")
     return source
@@ -144,8 +179,9 @@ def probe_source(source: str, edits: Sequence[str]) -> str:
 
 def write_probes(root: Path, into: Path, names: Sequence[str] | None = None) -> dict[str, Path]:
     """A copy of ``root``'s ``cupymoe`` per probe (``names``, default all) under ``into``, its
-    kernel edited: probe name -> tree."""
+    kernel or tiling edited: probe name -> tree."""
     source = (root / KERNEL).read_text()
+    tiling = (root / GEMM).read_text()
     trees = {}
     for name in PROBES if names is None else names:
         edits = PROBES[name]
@@ -153,6 +189,7 @@ def write_probes(root: Path, into: Path, names: Sequence[str] | None = None) -> 
         skip = shutil.ignore_patterns("__pycache__")
         shutil.copytree(root / "cupymoe", tree / "cupymoe", ignore=skip)
         (tree / KERNEL).write_text(probe_source(source, edits))
+        (tree / GEMM).write_text(tiling_source(tiling, edits))
         trees[name] = tree
     return trees
 

@@ -203,6 +203,13 @@ def test_stream_probe_edits_the_current_kernel(repo_script: Any, tmp_path: Any) 
     alone = probe.probe_source(source, ["nogather", "unread"])
     assert alone.count("if (false) cp_async16(") == 2 and alone.count("cp_async16(") == 3
     assert "PROBE nogather" in alone and "2 * boxes * kXBoxBytes" not in alone
+    assert probe.probe_source(source, ["ring7"]) == source
+    tiling = (probe.ROOT / probe.GEMM).read_text()
+    ring7 = probe.tiling_source(tiling, ["ring7", "unread"])
+    assert ring7.count("# PROBE ring7") == 2 and "32: 16}" in ring7
+    assert probe.tiling_source(tiling, ["bulk", "unread"]) == tiling
+    with pytest.raises(ValueError, match="ring7: its anchor is in experts/gemm.py 0 times"):
+        probe.tiling_source(ring7, ["ring7"])
     with pytest.raises(ValueError, match="unread: its anchor is in gemm_sm90.cu 0 times"):
         probe.probe_source(unread.replace("fence_async_shared();  //", "x;  //"), ["unread"])
     with pytest.raises(ValueError, match="unknown edit"):
@@ -212,6 +219,8 @@ def test_stream_probe_edits_the_current_kernel(repo_script: Any, tmp_path: Any) 
     for name, tree in trees.items():
         edited = (tree / probe.KERNEL).read_text()
         assert edited == probe.probe_source(source, probe.PROBES[name])
+        gemm = (tree / probe.GEMM).read_text()
+        assert gemm == probe.tiling_source(tiling, probe.PROBES[name])
         assert (tree / "cupymoe" / "__init__.py").is_file()
 
 
