@@ -84,22 +84,35 @@ def _set_hand_over(rows_per_expert: float) -> None:
             handover._BY_SHAPE[key] = handover.HandOver(rows_per_expert, rows_per_expert)
 
 
+def _output_layer(shape: Any, max_tokens: int) -> Any:
+    """The layer of fixed seeds whose outputs the trees compare (and the warm-up calls)."""
+    import cupymoe
+    from cupymoe import presets
+
+    rng = np.random.default_rng(5)
+    return cupymoe.MoELayer(**presets.random_layer_gpu(shape, rng, seed=77, max_tokens=max_tokens))
+
+
+def _inputs(shape: Any, m: int, rng: np.random.Generator) -> tuple[Any, Any]:
+    """bf16 activations and float32 router logits of ``m`` tokens on the GPU."""
+    import cupy
+    import ml_dtypes
+
+    x = cupy.asarray(rng.standard_normal((m, shape.hidden)).astype(ml_dtypes.bfloat16))
+    logits = cupy.asarray(rng.standard_normal((m, shape.n_experts)).astype(np.float32))
+    return x, logits
+
+
 def warm_worker(preset: str, tokens: int, hand_over: float) -> None:
     """One eager layer call of ``preset`` at ``tokens`` tokens: compiles the tree's kernels for
     it into the shared kernel cache (in the process that imported that tree's cupymoe)."""
     import cupy
-    import ml_dtypes
 
-    import cupymoe
     from cupymoe import presets
 
     _set_hand_over(hand_over)
     shape = presets.PRESETS[preset]
-    rng = np.random.default_rng(5)
-    layer = cupymoe.MoELayer(**presets.random_layer_gpu(shape, rng, seed=77, max_tokens=tokens))
-    x = cupy.asarray(rng.standard_normal((tokens, shape.hidden)).astype(ml_dtypes.bfloat16))
-    logits = cupy.asarray(rng.standard_normal((tokens, shape.n_experts)).astype(np.float32))
-    layer(x, logits)
+    _output_layer(shape, tokens)(*_inputs(shape, tokens, np.random.default_rng(9)))
     cupy.cuda.Device().synchronize()
 
 
@@ -125,7 +138,6 @@ def run_worker(name: str, cases: Sequence[Case], repeats: int, hand_over: float,
     import cupy
     import ml_dtypes
 
-    import cupymoe
     from cupymoe import bench, presets
 
     _set_hand_over(hand_over)
@@ -143,16 +155,10 @@ def run_worker(name: str, cases: Sequence[Case], repeats: int, hand_over: float,
                     "stages_us": r.stages_us,
                 }  # fmt: skip
             )
-        layer = cupymoe.MoELayer(
-            **presets.random_layer_gpu(
-                shape, np.random.default_rng(5), seed=77, max_tokens=max(case.tokens)
-            )
-        )
+        layer = _output_layer(shape, max(case.tokens))
         rng = np.random.default_rng(9)
         for m in case.tokens:
-            x = cupy.asarray(rng.standard_normal((m, shape.hidden)).astype(bf16))
-            logits = cupy.asarray(rng.standard_normal((m, shape.n_experts)).astype(np.float32))
-            y = cupy.asnumpy(layer(x, logits)).view(np.uint16)
+            y = cupy.asnumpy(layer(*_inputs(shape, m, rng))).view(np.uint16)
             np.save(out / f"{name}_{case.preset}_{m}.npy", y)
     (out / f"{name}.json").write_text(json.dumps(rows))
 

@@ -6,8 +6,9 @@ Run on an H100 / H200 from the repository root::
     python3 benchmarks/stream_probe.py --case qwen3.6-35b-a3b:256,1024 --case deepseek-v3:512 \\
         [--rounds 2] [--repeats 5] [--warm 8] [--json probe.json]
 
-Writes three probe copies of this checkout's ``cupymoe`` into a temporary folder, each with one
-change to ``cuda/gemm_sm90.cu``, and times them against the checkout itself with
+Writes a probe copy of this checkout's ``cupymoe`` per probe (``--probes``, default all) into a
+temporary folder, each with its edits to ``cuda/gemm_sm90.cu`` (``ring7``: to
+``experts/gemm.py``), and times them against the checkout itself with
 ``benchmarks/bench_ab.py`` (whole layers, each tree in its own process, alternating rounds):
 
 - ``unread``: the consumers release each stage as soon as it lands, without decoding it or
@@ -128,8 +129,12 @@ _RING7 = (
     ),
 )
 
-#: Probe name -> the (anchor, text) edits of gemm_sm90.cu: the anchor is replaced (bulk) or the
-#: text inserted after it (unread, bulk_copy's helper before its anchor).
+# The edits of experts/gemm.py, by name (tiling_source); every other edit is the kernel's.
+_TILING_EDITS = {"ring7": _RING7}
+
+#: Probe name -> its edits: of gemm_sm90.cu, where the anchor is replaced (bulk, nogather) or the
+#: text inserted after it (unread, bulk_copy's helper before its anchor), or of experts/gemm.py
+#: (ring7).
 PROBES: dict[str, tuple[str, ...]] = {
     "unread": ("unread",),
     "bulk": ("bulk",),
@@ -151,24 +156,25 @@ def _once(text: str, anchor: str, new: str, what: str, where: str = "gemm_sm90.c
 def tiling_source(source: str, edits: Sequence[str]) -> str:
     """experts/gemm.py's text with the named edits that touch it (``"ring7"``; the others are
     the kernel's); ``ValueError`` when an anchor is not found exactly once."""
-    if "ring7" in edits:
-        for anchor, new in _RING7:
-            source = _once(source, anchor, new, "ring7", "experts/gemm.py")
+    for edit in edits:
+        for anchor, new in _TILING_EDITS.get(edit, ()):
+            source = _once(source, anchor, new, edit, "experts/gemm.py")
     return source
 
 
 def probe_source(source: str, edits: Sequence[str]) -> str:
-    """gemm_sm90.cu's text with the named edits (``"unread"``, ``"bulk"``); ``ValueError`` when
-    an anchor is not found exactly once (the kernel moved on: update the probe)."""
+    """gemm_sm90.cu's text with the named edits (``"unread"``, ``"bulk"``, ``"nogather"``; those
+    of experts/gemm.py are left to :func:`tiling_source`); ``ValueError`` when an anchor is not
+    found exactly once (the kernel moved on: update the probe)."""
 
     for edit in edits:
+        if edit in _TILING_EDITS:
+            continue
         if edit == "unread":
             source = _once(source, _UNREAD[0], _UNREAD[0] + _UNREAD[1], edit)
         elif edit == "bulk":
             source = _once(source, _BULK_BOXES[0], _BULK_BOXES[1], edit)
             source = _once(source, _BULK_COPY[0], _BULK_COPY[1] + _BULK_COPY[0], edit)
-        elif edit == "ring7":
-            continue  # experts/gemm.py's (tiling_source)
         elif edit == "nogather":
             for anchor, new in _NOGATHER:
                 source = _once(source, anchor, new, edit)
